@@ -1,0 +1,283 @@
+"""kvchat's command line: chat (TUI), run, tokenize, models, bench.
+
+Exit codes: 0 ok, 2 bad input (one line on stderr, no traceback), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+from core.paths import use_numba_cache
+
+use_numba_cache()  # before anything imports numba
+
+from models.errors import BadInputError  # noqa: E402
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"kvchat: error: {message} (see: {self.prog} --help)\n")
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from core.engine import BACKEND_NAMES, DEFAULT_CTX
+    from models.registry import DEFAULT_MODEL
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
+                   help="inference engine (default: native when available, else llama.cpp)")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default: {DEFAULT_CTX})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default: 512)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0 = off (default: 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default: 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); never printed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="kvchat", description="Local LLM chat on GGUF models, with kvchat's own engine.")
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
+
+    chat = sub.add_parser("chat", help="open the chat (the default when no command is given)")
+    _add_model_args(chat)
+
+    run = sub.add_parser("run", help="one-shot generation; text streams to stdout")
+    run.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' or absent reads stdin (when not a TTY)")
+    _add_model_args(run)
+    _add_sampling_args(run)
+    run.add_argument("--system", default=None, help="system prompt")
+    run.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    tok = sub.add_parser("tokenize", help="print the token ids and pieces of a text")
+    tok.add_argument("-m", "--model", default=None, help="registry name or path to a .gguf")
+    tok.add_argument("text", nargs="?", default=None, help="the text; '-' or absent reads stdin")
+    tok.add_argument("--json", action="store_true", help='print {"tokens": [...], "pieces": [...]}')
+    tok.add_argument("--special", action="store_true", help="parse special tokens written in the text")
+    tok.add_argument("--bos", action="store_true", help="add the BOS token (when the model has one)")
+
+    models = sub.add_parser("models", help="the model registry: list | pull NAME | info NAME_OR_PATH | path NAME")
+    msub = models.add_subparsers(dest="models_command", parser_class=OneLineParser, required=True)
+    msub.add_parser("list", help="registry models and whether they are downloaded")
+    pull = msub.add_parser("pull", help="download a registry model (verified by SHA-256)")
+    pull.add_argument("name")
+    info = msub.add_parser("info", help="architecture, parameters, tensor types, context, template, size")
+    info.add_argument("name", help="registry name or path to a .gguf")
+    info.add_argument("--json", action="store_true")
+    path = msub.add_parser("path", help="where a registry model is stored")
+    path.add_argument("name")
+
+    bench = sub.add_parser("bench", help="llama-bench style benchmark: pp, tg, TTFT, GB/s; backends interleaved")
+    bench.add_argument("-m", "--model", default=None, help="registry name or path (default: the default model)")
+    bench.add_argument("--backend", default=None, help="one or several backends, comma-separated (default: all)")
+    bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default: 512)")
+    bench.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (default: 128)")
+    bench.add_argument("-r", "--repetitions", type=int, default=3, help="rounds (default: 3)")
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--ctx", type=int, default=None, help="context (default: enough for the test)")
+    bench.add_argument("--json", action="store_true", help="one JSON row per (backend, test)")
+    bench.add_argument("--plot", default=None, metavar="PNG", help="also write a bar chart")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = dispatch(args)
+    except BadInputError as e:
+        sys.stdout.flush()
+        sys.stderr.write(f"kvchat: error: {e}\n")
+        code = EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.write("\nkvchat: interrupted\n")
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_OK
+    return code
+
+
+def dispatch(args) -> int:
+    command = args.command or "chat"
+    if command == "chat":
+        return cmd_chat(args)
+    if command == "run":
+        return cmd_run(args)
+    if command == "tokenize":
+        return cmd_tokenize(args)
+    if command == "models":
+        return cmd_models(args)
+    if command == "bench":
+        from app.bench import cmd_bench
+        return cmd_bench(args)
+    raise BadInputError(f"unknown command {command}")
+
+
+def read_text_arg(value: str | None, what: str) -> str:
+    """The argument, or stdin when it is '-' or absent and stdin is not a terminal. Strict UTF-8."""
+    if value is not None and value != "-":
+        return value
+    if value is None and sys.stdin.isatty():
+        raise BadInputError(f"no {what} given (pass it as an argument or pipe it on stdin)")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"stdin is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
+
+
+def load_engine(args, model: str | None = None):
+    from app.progress import stderr_progress
+    from core.engine import Engine
+    with stderr_progress() as progress:
+        return Engine(model or args.model, backend=getattr(args, "backend", None), n_ctx=args.ctx,
+                      threads=args.threads, progress=progress)
+
+
+def sampling_from_args(args):
+    from core.backend import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=tuple(args.stop)).validate()
+
+
+def cmd_run(args) -> int:
+    params = sampling_from_args(args)
+    prompt = read_text_arg(args.prompt, "prompt")
+    if not prompt.strip():
+        raise BadInputError("the prompt is empty")
+    engine = load_engine(args)
+    chat = not args.no_chat
+    if chat and not engine.has_chat_template:
+        sys.stderr.write(f"kvchat: note: {engine.model_name} has no chat template; using plain completion\n")
+        chat = False
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+    if not chat and args.system:
+        messages = [{"role": "user", "content": args.system + "\n\n" + prompt}]
+    ids = engine.prompt_ids(messages, chat=chat)
+    if len(ids) >= engine.n_ctx:
+        raise BadInputError(f"the prompt is {len(ids)} tokens but the context holds {engine.n_ctx}; "
+                            "shorten it or raise --ctx")
+    cancel = threading.Event()
+    pieces, tokens = [], []
+    interrupted = False
+    try:
+        for event in engine.generate(ids, params, cancel):
+            if event.id >= 0:
+                tokens.append(event.id)
+            if event.text:
+                pieces.append(event.text)
+                if not args.json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+        engine.backend.finish_reason = "cancelled"
+    backend = engine.backend
+    if args.json:
+        print(json.dumps({
+            "text": "".join(pieces), "tokens": tokens, "finish_reason": backend.finish_reason,
+            "timings": backend.timings.as_dict(), "model": engine.model_name, "backend": engine.backend_name,
+            "device": engine.device, "truncated": False,
+        }, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"[{backend.timings.summary()} | {backend.finish_reason}]\n")
+    if interrupted:
+        sys.stderr.write("kvchat: interrupted\n")
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def cmd_tokenize(args) -> int:
+    from core.tokenizer import Tokenizer
+    from models import registry
+    from models.gguf_file import open_model
+    text = read_text_arg(args.text, "text")
+    from app.progress import stderr_progress
+    with stderr_progress() as progress:
+        path = registry.resolve(args.model or registry.DEFAULT_MODEL, progress)
+    tok = Tokenizer.from_gguf(open_model(path))
+    ids = tok.encode(text, add_bos=args.bos, special=args.special)
+    pieces = [tok.piece(i) for i in ids]
+    if args.json:
+        print(json.dumps({"tokens": ids, "pieces": pieces}, ensure_ascii=False))
+    else:
+        for i, piece in zip(ids, pieces):
+            print(f"{i:>8} {piece!r}")
+    return EXIT_OK
+
+
+def cmd_models(args) -> int:
+    from models import registry
+    from models.gguf_file import open_model
+    sub = args.models_command
+    if sub == "list":
+        for m in registry.REGISTRY.values():
+            mark = "*" if m.name == registry.DEFAULT_MODEL else " "
+            state = "downloaded" if registry.is_pulled(m.name) else "not downloaded"
+            print(f"{mark} {m.name:<30} {m.size / 1e6:>7.0f} MB  {state:<15} {m.description}")
+        return EXIT_OK
+    if sub == "path":
+        print(registry.model_path(args.name))
+        return EXIT_OK
+    from app.progress import stderr_progress
+    if sub == "pull":
+        registry.lookup(args.name)
+        with stderr_progress() as progress:
+            path = registry.pull(args.name, progress)
+        print(path)
+        return EXIT_OK
+    if sub == "info":
+        with stderr_progress() as progress:
+            path = registry.resolve(args.name, progress)
+        info = open_model(path).info()
+        if args.json:
+            print(json.dumps(info))
+        else:
+            print(f"path            {info['path']}")
+            print(f"architecture    {info['architecture']}")
+            print(f"name            {info['name']}")
+            print(f"parameters      {info['parameters']:,} ({info['parameters'] / 1e9:.2f} B)")
+            print(f"tensor types    " + ", ".join(f"{t}: {n}" for t, n in info["tensor_types"].items()))
+            print(f"context length  {info['context_length']}")
+            print(f"chat template   {'yes' if info['chat_template'] else 'no (completion only)'}")
+            print(f"file size       {info['file_size']:,} bytes ({info['file_size'] / 1e6:.1f} MB)")
+        return EXIT_OK
+    raise BadInputError(f"unknown models command {sub}")
+
+
+def cmd_chat(args) -> int:
+    if not hasattr(args, "model"):   # bare `kvchat`: chat with the defaults
+        args = build_parser().parse_args(["chat"])
+    try:
+        from app.tui.app import run_tui
+    except ImportError:
+        run_tui = None
+    if run_tui is not None and sys.stdin.isatty() and sys.stdout.isatty():
+        return run_tui(args)
+    # No terminal to draw on (or the TUI is not installed): one greeting, so the command still works.
+    args.prompt, args.system, args.no_chat, args.json = "Hello! Introduce yourself in one sentence.", None, False, False
+    args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
+    args.repeat_penalty, args.seed, args.stop = 1.0, None, []
+    return cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

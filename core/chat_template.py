@@ -1,0 +1,54 @@
+"""Render the GGUF's chat template in a sandbox.
+
+A GGUF is untrusted input, so its Jinja template runs in jinja2's ImmutableSandboxedEnvironment, and
+any reach for an unsafe attribute (`''.__class__` and the like) is an error, not a silent Undefined.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Sequence
+
+from jinja2 import TemplateError
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from models.errors import BadInputError
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, but touching an unsafe attribute raises at once."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__} is not allowed")
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        self.source = source
+        self.bos_token, self.eos_token = bos_token, eos_token
+        env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise BadInputError(f"the model's chat template does not parse: {_one_line(e)}") from None
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> prompt text."""
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except SecurityError as e:
+            raise BadInputError(f"the model's chat template tried something unsafe and was stopped: {_one_line(e)}") from None
+        except Exception as e:
+            raise BadInputError(f"the model's chat template failed: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,100 @@
+"""An Engine is one loaded model: its validated GGUF, tokenizer, chat template and backend.
+
+It is what the CLI and the TUI hold. It turns a conversation (or a raw prompt) into token ids and
+streams TokenEvents from the backend.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from core.backend import Backend, SamplingParams, TokenEvent
+from core.chat_template import ChatTemplate
+from core.tokenizer import Tokenizer
+from models import registry
+from models.errors import BadInputError
+from models.gguf_file import GGUFFile, open_model
+
+BACKEND_NAMES = ("native", "llama.cpp")
+DEFAULT_CTX = 4096
+
+
+def default_backend() -> str:
+    """The native engine once it is installed in this tree, llama.cpp until then."""
+    try:
+        import core.native_backend  # noqa: F401
+        return "native"
+    except ImportError:
+        return "llama.cpp"
+
+
+def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None) -> Backend:
+    if name == "llama.cpp":
+        from core.llamacpp_backend import LlamaCppBackend
+        return LlamaCppBackend(gguf, tokenizer, n_ctx, threads)
+    if name == "native":
+        try:
+            from core.native_backend import NativeBackend
+        except ImportError:
+            raise BadInputError("the native backend is not available yet; use --backend llama.cpp") from None
+        return NativeBackend(gguf, tokenizer, n_ctx, threads)
+    raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+
+
+class Engine:
+    def __init__(self, model: str = registry.DEFAULT_MODEL, backend: str | None = None, n_ctx: int = DEFAULT_CTX,
+                 threads: int | None = None, progress: registry.Progress | None = None):
+        if n_ctx < 16:
+            raise BadInputError("--ctx must be at least 16")
+        if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
+            raise BadInputError(f"--threads must be between 1 and {(os.cpu_count() or 1) * 4}")
+        self.model_name = model
+        self.path = registry.resolve(model, progress)
+        self.gguf = open_model(self.path)
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        source = self.gguf.chat_template
+        bos = self.tokenizer.tokens[self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else ""
+        eos = self.tokenizer.tokens[self.tokenizer.eos_id] if self.tokenizer.eos_id is not None else ""
+        self.template = ChatTemplate(source, bos, eos) if source else None
+        train_ctx = self.gguf.arch_get("context_length") or n_ctx
+        self.n_ctx = min(n_ctx, int(train_ctx))
+        self.backend_name = backend or default_backend()
+        self.backend = load_backend(self.backend_name, self.gguf, self.tokenizer, self.n_ctx, threads)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.template is not None
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    def prompt_ids(self, messages: Sequence[Message | dict] | str, chat: bool = True) -> list[int]:
+        """Token ids for a conversation (through the chat template) or for raw text (plain completion).
+        Without a template, a conversation becomes its messages' text joined by blank lines."""
+        if isinstance(messages, str):
+            messages = [Message("user", messages)]
+        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        tok = self.tokenizer
+        if chat and self.template is not None:
+            text = self.template.render(msgs, add_generation_prompt=True)
+            bos_text = tok.tokens[tok.bos_id] if tok.bos_id is not None else None
+            add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))
+            return tok.encode(text, add_bos=add_bos, special=True)
+        text = "\n\n".join(m["content"] for m in msgs if m["content"])
+        return tok.encode(text, add_bos=tok.add_bos, special=False)
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+        return self.backend.generate(prompt_ids, params, cancel)
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,68 @@
+"""Token sampling over one logits vector, in llama.cpp's order:
+penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+
+Temperature 0 is greedy (argmax after penalties). The seed fixes our own generator, so a sampled run
+is reproducible whichever backend produced the logits.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Iterable
+
+import numpy as np
+
+
+class Sampler:
+    def __init__(self, params, n_vocab: int):
+        self.params = params
+        self.n_vocab = n_vocab
+        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.recent: deque[int] = deque(maxlen=max(params.repeat_last_n, 0))
+
+    def remember(self, ids: Iterable[int]) -> None:
+        """Add tokens to the penalty window (the prompt, then each sampled token)."""
+        if self.recent.maxlen:
+            self.recent.extend(ids)
+
+    def sample(self, logits: np.ndarray) -> int:
+        logits = self.apply_penalties(np.asarray(logits, dtype=np.float32))
+        if self.params.temperature <= 0:
+            token = int(np.argmax(logits))
+        else:
+            ids, probs = self.candidates(logits)
+            token = int(ids[self.rng.choice(len(ids), p=probs)])
+        self.remember([token])
+        return token
+
+    def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        p = self.params
+        if not self.recent or (p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0):
+            return logits
+        logits = logits.copy()
+        counts = Counter(self.recent)
+        ids = np.fromiter(counts.keys(), dtype=np.int64)
+        n = np.fromiter(counts.values(), dtype=np.float32)
+        picked = logits[ids]
+        picked = np.where(picked > 0, picked / p.repeat_penalty, picked * p.repeat_penalty)
+        logits[ids] = picked - n * p.frequency_penalty - p.presence_penalty
+        return logits
+
+    def candidates(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids that survive top-k, top-p and min-p, with their final probabilities (after temperature)."""
+        p = self.params
+        k = p.top_k if 0 < p.top_k < len(logits) else len(logits)
+        ids = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
+        ids = ids[np.argsort(-logits[ids], kind="stable")]          # (k,) best first
+        z = logits[ids].astype(np.float64)
+        probs = np.exp(z - z[0])
+        probs /= probs.sum()
+        if p.top_p < 1:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest set with mass >= top_p
+            ids, z, probs = ids[:keep], z[:keep], probs[:keep]
+        if p.min_p > 0:
+            keep = max(1, int(np.sum(probs >= p.min_p * probs[0])))
+            ids, z = ids[:keep], z[:keep]
+        scaled = (z - z[0]) / p.temperature
+        final = np.exp(scaled)
+        return ids, final / final.sum()

@@ -1,0 +1,225 @@
+"""Tokenizers built from the GGUF's own vocabulary, matching llama.cpp id for id.
+
+- tokenizer.ggml.model = "gpt2" (Qwen2): byte-level BPE through HF `tokenizers`, with the qwen2
+  pre-tokenizer regex.
+- tokenizer.ggml.model = "llama" (Gemma-3): SentencePiece BPE through `sentencepiece`, from a
+  ModelProto we build from the GGUF's pieces and scores.
+
+Special tokens are split out first, exactly as llama.cpp's tokenizer_st_partition does: longest
+first; user-defined tokens always, control tokens only when `special=True`.
+"""
+from __future__ import annotations
+
+import codecs
+from functools import cached_property
+from typing import Sequence
+
+
+from models.errors import BadInputError
+
+# GGUF token types (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp's "qwen2" pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_QWEN2)
+QWEN2_PRETOKENIZE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says (llama-vocab.cpp)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
+             "<|end▁of▁sentence|>", "<|return|>", "<|call|>", "<|eom_id|>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Tokenizer:
+    """encode/decode for one GGUF vocabulary. Build it with `Tokenizer.from_gguf(gguf_file)`."""
+
+    def __init__(self, model: str, tokens: list[str], types: list[int], scores: list[float] | None,
+                 merges: list[str] | None, bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 add_space_prefix: bool, eot_id: int | None = None, unk_id: int | None = None):
+        self.model = model
+        self.tokens = tokens
+        self.types = types
+        self.n_vocab = len(tokens)
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.add_bos = add_bos
+        self.add_space_prefix = add_space_prefix
+        self.unk_id = unk_id
+        eog = {i for i in (eos_id, eot_id) if i is not None}
+        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS and types[i] in (CONTROL, USER_DEFINED)}
+        self.eog_ids = frozenset(eog)
+        # (text, id, is_control) longest first: the order llama.cpp tries them in
+        specials = [(t, i, types[i] in (CONTROL, UNKNOWN)) for i, t in enumerate(tokens)
+                    if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) and t]
+        self._specials = sorted(specials, key=lambda s: -len(s[0]))
+        if model == "gpt2":
+            self._init_bpe(merges or [])
+        elif model == "llama":
+            self._init_spm(scores or [0.0] * len(tokens))
+        else:
+            raise BadInputError(f"unsupported tokenizer model '{model}' (supported: gpt2, llama)")
+
+    @classmethod
+    def from_gguf(cls, g) -> "Tokenizer":
+        tokens = g.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise BadInputError(f"{g.path.name} has no tokenizer vocabulary")
+        model = g.get("tokenizer.ggml.model")
+        types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        return cls(
+            model=model, tokens=tokens, types=list(types), scores=g.get("tokenizer.ggml.scores"),
+            merges=g.get("tokenizer.ggml.merges"),
+            bos_id=g.get("tokenizer.ggml.bos_token_id"), eos_id=g.get("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(g.get("tokenizer.ggml.add_bos_token", model == "llama")),
+            add_space_prefix=bool(g.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+            eot_id=g.get("tokenizer.ggml.eot_token_id"), unk_id=g.get("tokenizer.ggml.unknown_token_id"),
+        )
+
+    # --- backends ---------------------------------------------------------------------------
+    def _init_bpe(self, merges: list[str]) -> None:
+        from tokenizers import Regex
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models, pre_tokenizers
+
+        vocab = {t: i for i, t in enumerate(self.tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        self._hf = hf
+        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+        self._piece_bytes = [
+            t.encode() if self.types[i] in (CONTROL, USER_DEFINED) else bytes(byte_of.get(c, 0) for c in t)
+            for i, t in enumerate(self.tokens)
+        ]
+
+    def _init_spm(self, scores: Sequence[float]) -> None:
+        import sentencepiece as spm
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+        proto.trainer_spec.byte_fallback = True
+        proto.trainer_spec.vocab_size = len(self.tokens)
+        proto.normalizer_spec.name = "identity"
+        proto.normalizer_spec.add_dummy_prefix = False      # llama.cpp adds the space prefix itself
+        proto.normalizer_spec.remove_extra_whitespaces = False
+        proto.normalizer_spec.escape_whitespaces = True
+        # Special tokens are partitioned out before SentencePiece sees the text; inside raw text
+        # llama.cpp's merges may reach any non-control piece, so user-defined ones count as normal.
+        sp_type = {NORMAL: 1, UNKNOWN: 2, CONTROL: 3, USER_DEFINED: 1, UNUSED: 5, BYTE: 6}
+        # SentencePiece needs exactly one unknown piece: the GGUF's unknown_token_id, else the first UNKNOWN.
+        unk = self.unk_id if self.unk_id is not None else next((i for i, k in enumerate(self.types) if k == UNKNOWN), None)
+        if unk is None or not 0 <= unk < len(self.tokens):
+            raise BadInputError("SentencePiece vocabulary has no unknown token")
+        for i, (text, kind) in enumerate(zip(self.tokens, self.types)):
+            piece = proto.pieces.add()
+            piece.piece = text
+            piece.score = float(scores[i])
+            t = sp_type.get(kind, 1)
+            piece.type = 2 if i == unk else (3 if t == 2 else t)
+        self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+        pieces = []
+        for i, t in enumerate(self.tokens):
+            kind = self.types[i]
+            if kind == BYTE and len(t) == 6 and t.startswith("<0x"):
+                pieces.append(bytes([int(t[3:5], 16)]))
+            elif kind in (CONTROL, UNKNOWN, UNUSED):
+                pieces.append(t.encode())
+            else:
+                pieces.append(t.replace("\u2581", " ").encode())
+        self._piece_bytes = pieces
+
+    # --- encoding ---------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
+        """Text -> ids. `special=True` parses control tokens written in the text (for chat templates)."""
+        ids = [self.bos_id] if add_bos and self.bos_id is not None else []
+        prev_special = True
+        for fragment in self._partition(text, special):
+            if isinstance(fragment, int):
+                ids.append(fragment)
+                prev_special = True
+                continue
+            if self.model == "gpt2":
+                ids.extend(self._hf.encode(fragment, add_special_tokens=False).ids)
+            else:
+                if self.add_space_prefix and prev_special:
+                    fragment = " " + fragment
+                ids.extend(self._sp.encode(fragment.replace(" ", "\u2581")))
+            prev_special = False
+        return ids
+
+    def _partition(self, text: str, special: bool) -> list[str | int]:
+        fragments: list[str | int] = [text]
+        for token_text, token_id, is_control in self._specials:
+            if is_control and not special:
+                continue
+            if token_text not in text:
+                continue
+            out: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or token_text not in frag:
+                    out.append(frag)
+                    continue
+                parts = frag.split(token_text)
+                for j, part in enumerate(parts):
+                    if j:
+                        out.append(token_id)
+                    if part:
+                        out.append(part)
+            fragments = out
+        return fragments
+
+    # --- decoding ---------------------------------------------------------------------------
+    def token_bytes(self, token_id: int, special: bool = False) -> bytes:
+        """The bytes a token stands for. Control tokens render as nothing unless `special`."""
+        if not 0 <= token_id < self.n_vocab:
+            return b""
+        if self.types[token_id] in (CONTROL, UNKNOWN, UNUSED) and not special:
+            return b""
+        return self._piece_bytes[token_id]
+
+    def piece(self, token_id: int) -> str:
+        """A token's text for display (invalid UTF-8 shown with replacement characters)."""
+        return self.token_bytes(token_id, special=True).decode("utf-8", errors="replace")
+
+    def decode(self, ids: Sequence[int], special: bool = False) -> str:
+        text = b"".join(self.token_bytes(i, special) for i in ids).decode("utf-8", errors="replace")
+        return text
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    @cached_property
+    def bos_prefix(self) -> list[int]:
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
+
+class StreamDecoder:
+    """Turns ids into text one at a time without ever emitting half a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self.tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
