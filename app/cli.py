@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ctx", type=int, default=None, help="context (default: enough for the test)")
     bench.add_argument("--json", action="store_true", help="one JSON row per (backend, test)")
     bench.add_argument("--plot", default=None, metavar="PNG", help="also write a bar chart")
+
+    from app.export import add_export_parser
+    add_export_parser(sub)
     return parser
 
 
@@ -125,6 +128,9 @@ def dispatch(args) -> int:
     if command == "bench":
         from app.bench import cmd_bench
         return cmd_bench(args)
+    if command == "export":
+        from app.export import cmd_export
+        return cmd_export(args)
     raise BadInputError(f"unknown command {command}")
 
 

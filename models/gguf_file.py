@@ -57,6 +57,9 @@ class GGUFFile:
         try:
             self.reader = GGUFReader(self.path, "r")
         except Exception as e:  # the reader fails in many ways on damaged input; all mean the same to a user
+            if "cannot reshape array" in str(e):   # the reader's symptom of tensor data beyond the end
+                raise BadInputError(f"a tensor in {self.path.name} points past the end of the file "
+                                    "(truncated or corrupt)") from None
             raise BadInputError(f"corrupt or truncated GGUF file {self.path.name}: {_one_line(e)}") from None
         self.tensors = self._validate_tensors()
         self.arch = self.get("general.architecture")

@@ -1,0 +1,163 @@
+"""`kvchat bench`: llama-bench's tests (pp N, tg N) plus TTFT, with backends interleaved.
+
+Each round runs every backend once, test by test, so a slow patch of a noisy machine hits them
+alike and their ratio holds. Decode GB/s = weight bytes read per token x tokens/s.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from core.backend import SamplingParams
+from core.engine import BACKEND_NAMES
+from models.errors import BadInputError
+
+
+def weight_bytes_per_token(gguf) -> int:
+    """Bytes of weights a decode step reads: every tensor once, except the embedding table, of which
+    only one row is read, unless it doubles as the output matrix (tied embeddings)."""
+    total = sum(t.n_bytes for t in gguf.tensors.values())
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is not None and "output.weight" in gguf.tensors:
+        total -= embd.n_bytes
+    return total
+
+
+def random_prompt(rng: np.random.Generator, n: int, n_vocab: int, avoid: frozenset[int]) -> list[int]:
+    ids = rng.integers(0, n_vocab, size=n).tolist()
+    return [i if i not in avoid else 0 for i in ids]
+
+
+def time_prefill(engine, ids: list[int]) -> tuple[float, float]:
+    """Seconds for prefill of `ids` from an empty cache, and seconds to the first sampled token."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    t0 = time.perf_counter()
+    for _ in engine.backend.generate(ids, params):
+        pass
+    timings = engine.backend.timings
+    if timings.cache_n:
+        raise RuntimeError("bench prompt unexpectedly hit the prefix cache")
+    return timings.prompt_ms / 1000, timings.ttft_ms / 1000
+
+
+def time_decode(engine, first: int, n_gen: int) -> float:
+    """Seconds for n_gen decode steps (after a 1-token prompt), ignoring end-of-generation tokens."""
+    backend = engine.backend
+    backend._reuse_prefix([-1, -1])        # no cached prefix can match: empties the cache
+    logits = backend._forward([first])
+    t0 = time.perf_counter()
+    token = first
+    for _ in range(n_gen):
+        token = int(np.argmax(logits))
+        logits = backend._forward([token])
+    return time.perf_counter() - t0
+
+
+def cmd_bench(args) -> int:
+    from app.cli import load_engine
+    from models import registry
+    names = [b.strip() for b in (args.backend or ",".join(BACKEND_NAMES)).split(",") if b.strip()]
+    for name in names:
+        if name not in BACKEND_NAMES:
+            raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
+    if args.n_prompt < 1 or args.n_gen < 1 or args.repetitions < 1:
+        raise BadInputError("-p, -n and -r must be at least 1")
+    model = args.model or registry.DEFAULT_MODEL
+    args.ctx = args.ctx or max(args.n_prompt, args.n_gen + 1) + 64
+    engines = {}
+    for name in names:
+        args.backend = name
+        engines[name] = load_engine(args, model)
+    n_vocab = next(iter(engines.values())).tokenizer.n_vocab
+    avoid = next(iter(engines.values())).tokenizer.eog_ids
+    gguf = next(iter(engines.values())).gguf
+    bytes_per_token = weight_bytes_per_token(gguf)
+    rng = np.random.default_rng(0)
+
+    # warm-up: compile kernels, fault in pages
+    for engine in engines.values():
+        time_prefill(engine, random_prompt(rng, min(args.n_prompt, 64), n_vocab, avoid))
+        time_decode(engine, 1, 4)
+
+    samples: dict[tuple[str, str], list[float]] = {}
+    pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}"
+    for rep in range(args.repetitions):
+        for name, engine in engines.items():
+            prompt = random_prompt(rng, args.n_prompt, n_vocab, avoid)
+            prompt_s, ttft_s = time_prefill(engine, prompt)
+            samples.setdefault((name, pp), []).append(args.n_prompt / prompt_s)
+            samples.setdefault((name, "ttft"), []).append(ttft_s * 1000)
+            decode_s = time_decode(engine, prompt[0], args.n_gen)
+            samples.setdefault((name, tg), []).append(args.n_gen / decode_s)
+            print(f"round {rep + 1}/{args.repetitions} {name}: {pp} {args.n_prompt / prompt_s:.1f} t/s, "
+                  f"{tg} {args.n_gen / decode_s:.1f} t/s", file=sys.stderr)
+
+    rows = []
+    for (name, test), values in samples.items():
+        mean = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        row = {"backend": name, "test": test, "t_s_mean": None, "t_s_sd": None, "n": len(values), "gb_s": None,
+               "model": model, "device": engines[name].device, "threads": args.threads}
+        if test == "ttft":
+            row.update(ms_mean=round(mean, 2), ms_sd=round(sd, 2), t_s_mean=round(args.n_prompt / (mean / 1000), 2))
+            row["t_s_sd"] = 0.0
+        else:
+            row.update(t_s_mean=round(mean, 2), t_s_sd=round(sd, 2))
+            if test == tg:
+                row["gb_s"] = round(mean * bytes_per_token / 1e9, 2)
+                row["tpot_ms"] = round(1000 / mean, 2)
+        rows.append(row)
+    order = {pp: 0, tg: 1, "ttft": 2}
+    rows.sort(key=lambda r: (order[r["test"]], names.index(r["backend"])))
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print_table(rows, names, bytes_per_token)
+    if args.plot:
+        plot(rows, args.plot, model)
+    for engine in engines.values():
+        engine.close()
+    return 0
+
+
+def print_table(rows: list[dict], names: list[str], bytes_per_token: int) -> None:
+    print(f"{'backend':<10} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}")
+    for r in rows:
+        ts = f"{r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f}"
+        ms = f"{r['ms_mean']:.1f} ± {r['ms_sd']:.1f}" if "ms_mean" in r else (f"{r['tpot_ms']:.2f} tpot" if "tpot_ms" in r else "")
+        gb = f"{r['gb_s']:.1f}" if r["gb_s"] is not None else ""
+        print(f"{r['backend']:<10} {r['test']:<8} {ts:>16} {ms:>16} {gb:>7}")
+    if len(names) > 1:
+        base = names[-1]
+        for test in dict.fromkeys(r["test"] for r in rows):
+            by = {r["backend"]: r for r in rows if r["test"] == test}
+            for name in names[:-1]:
+                if test == "ttft":
+                    ratio = by[base]["ms_mean"] / by[name]["ms_mean"]
+                else:
+                    ratio = by[name]["t_s_mean"] / by[base]["t_s_mean"]
+                print(f"{name} vs {base} {test}: {ratio:.2f}x")
+    print(f"(weights read per decoded token: {bytes_per_token / 1e9:.3f} GB)")
+
+
+def plot(rows: list[dict], path: str, model: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tests = [t for t in dict.fromkeys(r["test"] for r in rows) if t != "ttft"]
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    fig, axes = plt.subplots(1, len(tests), figsize=(4 * len(tests), 3.5))
+    axes = np.atleast_1d(axes)
+    for ax, test in zip(axes, tests):
+        vals = [next(r for r in rows if r["backend"] == b and r["test"] == test) for b in backends]
+        ax.bar(backends, [v["t_s_mean"] for v in vals], yerr=[v["t_s_sd"] for v in vals], capsize=4)
+        ax.set_title(test)
+        ax.set_ylabel("tokens/s")
+    fig.suptitle(model)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,1 @@
+"""kvchat's Textual TUI: `app.py` (the App and `run_tui`), `screens/` (modal screens), `widgets/`."""

@@ -1,0 +1,589 @@
+"""The kvchat TUI: a chat view that streams from the engine, a conversation sidebar, live stats and
+an Inference X-ray panel.
+
+Threading: the engine runs in a Textual thread worker. That thread never touches a widget; it
+posts small dataclass Messages (ResponseStarted, TokenArrived, ResponseDone, ResponseFailed,
+ModelProgress, ModelLoaded, ModelFailed) that the UI handles with @on. Token text is batched in the
+worker (at most 20 posts a second) and MarkdownStream coalesces whatever still arrives faster than
+it renders. The worker also writes the reply to the history (checkpoints every 0.5 s, then the final
+text and status) so that a crash of the UI loses nothing that was generated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Footer, Label, ProgressBar
+from textual.worker import get_current_worker
+
+from app.tui.screens.dialogs import ConfirmScreen, PromptScreen
+from app.tui.screens.help import HelpScreen
+from app.tui.screens.model import ModelScreen
+from app.tui.screens.settings import SettingsScreen, params_from_dict, params_to_dict
+from app.tui.widgets.chat_input import ChatInput
+from app.tui.widgets.messages import AssistantMessage, MessageBox, UserMessage, code_blocks
+from app.tui.widgets.sidebar import Sidebar
+from app.tui.widgets.stats import StatusBar, XRayPanel, status_line
+from core.backend import SamplingParams
+from core.history import History
+from models.errors import BadInputError
+
+TOKEN_BATCH_S = 0.05       # the worker posts streamed text at most 20 times a second
+CHECKPOINT_S = 0.5         # and saves the partial reply this often
+STATS_REFRESH_S = 0.25
+
+
+# --- messages from worker threads ----------------------------------------------------------
+@dataclass
+class ResponseStarted(Message):
+    reply_id: int
+
+
+@dataclass
+class TokenArrived(Message):
+    reply_id: int
+    text: str
+
+
+@dataclass
+class ResponseDone(Message):
+    reply_id: int
+    status: str            # complete | stopped
+    finish_reason: str
+    summary: str
+
+
+@dataclass
+class ResponseFailed(Message):
+    reply_id: int
+    error: str
+
+
+@dataclass
+class ModelProgress(Message):
+    stage: str
+    done: int
+    total: int
+
+
+@dataclass
+class ModelLoaded(Message):
+    engine: object
+
+
+@dataclass
+class ModelFailed(Message):
+    spec: str
+    error: str
+
+
+class KvChatApp(App):
+    CSS_PATH = "kvchat.tcss"
+    TITLE = "kvchat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+n", "new_chat", "New"),
+        Binding("ctrl+r", "regenerate", "Regen"),
+        Binding("ctrl+e", "edit_last", "Edit", priority=True),
+        Binding("f4", "settings", "Settings"),
+        Binding("f5", "switch_model", "Model"),
+        Binding("ctrl+t", "toggle_xray", "X-ray"),
+        Binding("ctrl+b", "toggle_sidebar", "Chats"),
+        Binding("question_mark,f1", "help", "Help"),
+        Binding("f2", "rename_chat", "Rename", show=False),
+        Binding("f3", "system_prompt", "System prompt", show=False),
+        Binding("f8", "delete_chat", "Delete chat", show=False),
+        Binding("ctrl+g", "copy_reply", "Copy reply", show=False),
+        Binding("ctrl+l", "copy_code", "Copy code", show=False),
+        Binding("ctrl+o", "export_chat", "Export", show=False),
+        Binding("f10", "toggle_theme", "Theme", show=False),
+    ]
+
+    def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
+                 threads: int | None = None, engine=None, db_path=None):
+        super().__init__()
+        from core.engine import DEFAULT_CTX
+        from models.registry import DEFAULT_MODEL
+        self.model_spec = model or (engine.model_name if engine is not None else DEFAULT_MODEL)
+        self.backend_pref = backend
+        self.n_ctx = n_ctx or DEFAULT_CTX
+        self.threads = threads
+        self.engine = engine
+        self.history = History(db_path)
+        self.conversation_id: int | None = None
+        self.params = SamplingParams()            # settings for the next new chat (the last ones used)
+        self.new_chat_system_prompt = ""
+        self.generating = False
+        self.generated_once = False                # live numbers appear after this app's first reply
+        self.cancel_event = threading.Event()
+        self.worker_idle = threading.Event()
+        self.worker_idle.set()
+        self.reply_widget: AssistantMessage | None = None
+        self.editing_message_id: int | None = None
+        self.loading_model: str | None = None
+        self.queued_text: str | None = None        # sent once the model has loaded
+
+    # --- layout ----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield Sidebar(id="sidebar")
+            with Vertical(id="chat"):
+                yield VerticalScroll(id="messages")
+                with Horizontal(id="model-loading"):
+                    yield Label("", id="model-stage", markup=False)
+                    yield ProgressBar(id="model-progress", show_eta=False)
+                yield ChatInput(id="input")
+            yield XRayPanel(id="xray")
+        yield StatusBar("", id="status", markup=False)
+        yield Footer(compact=True)
+
+    async def on_mount(self) -> None:
+        self.query_one("#messages", VerticalScroll).anchor()
+        self.stats_timer = self.set_interval(STATS_REFRESH_S, self.refresh_stats, pause=True)
+        conversations = self.history.list_conversations()
+        if conversations:
+            await self.open_conversation(conversations[0].id)
+        else:
+            await self.refresh_sidebar()
+        self.query_one(ChatInput).focus()
+        if self.engine is None:
+            self.loading_model = self.model_spec
+            self.load_model(self.model_spec)
+        self.refresh_stats()
+
+    def on_unmount(self) -> None:
+        self.cancel_event.set()
+        if self.worker_idle.wait(5):   # let the reply be saved as 'stopped' before closing the db
+            self.history.close()
+
+    # --- conversations ---------------------------------------------------------------------
+    async def refresh_sidebar(self) -> None:
+        await self.query_one(Sidebar).show(self.history.list_conversations(), self.conversation_id)
+
+    async def open_conversation(self, conversation_id: int | None) -> None:
+        self.conversation_id = conversation_id
+        self.editing_message_id = None
+        view = self.query_one("#messages", VerticalScroll)
+        await view.remove_children()
+        if conversation_id is not None:
+            conv = self.history.get_conversation(conversation_id)
+            self.params = params_from_dict(conv.settings) if conv.settings else self.params
+            widgets = [self.message_widget(m) for m in self.history.messages(conversation_id)]
+            await view.mount_all(widgets)
+            view.anchor()
+        await self.refresh_sidebar()
+
+    def message_widget(self, m) -> MessageBox:
+        if m.role == "user":
+            return UserMessage(m.content, m.id)
+        note = m.timings.get("error", "") if m.status == "error" else ""
+        return AssistantMessage(m.content, m.id, m.status, model=m.model, note=note)
+
+    @on(Sidebar.Selected)
+    async def on_sidebar_selected(self, event: Sidebar.Selected) -> None:
+        if self.generating:
+            self.notify("Generating: press esc to stop first", severity="warning")
+            return
+        if event.conversation_id != self.conversation_id:
+            await self.open_conversation(event.conversation_id)
+        self.query_one(ChatInput).focus()
+
+    def ensure_conversation(self, first_text: str) -> int:
+        if self.conversation_id is None:
+            title = " ".join(first_text.split())[:48] or "New chat"
+            self.conversation_id = self.history.create_conversation(
+                title, self.new_chat_system_prompt, self.engine.model_name if self.engine else self.model_spec,
+                params_to_dict(self.params))
+            self.new_chat_system_prompt = ""
+        return self.conversation_id
+
+    # --- sending and streaming -------------------------------------------------------------
+    @on(ChatInput.Submitted)
+    async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
+        await self.send(event.text)
+
+    async def send(self, text: str) -> None:
+        if not text.strip():
+            return
+        if self.generating:
+            self.notify("Still answering: press esc to stop it first", severity="warning")
+            return
+        if self.engine is None:
+            if self.loading_model:
+                self.queued_text = text
+                self.notify("The model is still loading: the message is queued and sends when it is ready")
+            else:
+                self.notify("No model loaded: pick one with f5", severity="warning")
+            return
+        view = self.query_one("#messages", VerticalScroll)
+        if self.editing_message_id is not None:      # edit and resend: drop the old message and what followed
+            self.history.delete_messages_from(self.conversation_id, self.editing_message_id)
+            for box in list(view.query(MessageBox)):
+                if box.message_id is not None and box.message_id >= self.editing_message_id:
+                    await box.remove()
+            self.editing_message_id = None
+        conversation_id = self.ensure_conversation(text)
+        message_id = self.history.add_message(conversation_id, "user", text)
+        self.query_one(ChatInput).clear()
+        await view.mount(UserMessage(text, message_id))
+        view.anchor()
+        await self.start_reply()
+        await self.refresh_sidebar()
+
+    def build_prompt(self) -> list[int]:
+        conv = self.history.get_conversation(self.conversation_id)
+        turns = [{"role": m.role, "content": m.content} for m in self.history.messages(self.conversation_id)
+                 if m.content and m.status != "error"]
+        system = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt else []
+        engine = self.engine
+        room = engine.n_ctx - min(self.params.max_tokens, engine.n_ctx // 4)
+        while True:   # drop the oldest turns until the prompt leaves room for the reply
+            ids = engine.prompt_ids(system + turns, chat=engine.has_chat_template)
+            if len(ids) < room or len(turns) <= 1:
+                return ids
+            turns = turns[1:]
+
+    async def start_reply(self) -> None:
+        engine = self.engine
+        try:
+            ids = self.build_prompt()
+            params = self.params.validate()
+        except BadInputError as e:
+            self.notify(str(e), severity="error")
+            return
+        if len(ids) >= engine.n_ctx:
+            self.notify(f"The message is {len(ids)} tokens; the context holds {engine.n_ctx}", severity="error")
+            return
+        self.history.update_conversation(self.conversation_id, model=engine.model_name)
+        reply_id = self.history.start_reply(self.conversation_id, engine.model_name)
+        self.reply_widget = AssistantMessage("", reply_id, "streaming", model=engine.model_name)
+        view = self.query_one("#messages", VerticalScroll)
+        await view.mount(self.reply_widget)
+        view.anchor()
+        self.generating = True
+        self.generated_once = True
+        self.cancel_event = threading.Event()
+        self.worker_idle.clear()
+        self.stats_timer.resume()
+        self.refresh_stats(queued=True)
+        self.generate_reply(engine, reply_id, ids, params, self.cancel_event)
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate_reply(self, engine, reply_id: int, ids: list[int], params: SamplingParams,
+                       cancel: threading.Event) -> None:
+        worker = get_current_worker()
+        pieces: list[str] = []
+        pending: list[str] = []
+        last_post = last_checkpoint = time.monotonic()
+        try:
+            self.post_message(ResponseStarted(reply_id))
+            for event in engine.generate(ids, params, cancel):
+                if worker.is_cancelled:
+                    cancel.set()
+                if event.text:
+                    pieces.append(event.text)
+                    pending.append(event.text)
+                now = time.monotonic()
+                if pending and now - last_post >= TOKEN_BATCH_S:
+                    self.post_message(TokenArrived(reply_id, "".join(pending)))
+                    pending.clear()
+                    last_post = now
+                if now - last_checkpoint >= CHECKPOINT_S:
+                    self.history.checkpoint_reply(reply_id, "".join(pieces))
+                    last_checkpoint = now
+            if pending:
+                self.post_message(TokenArrived(reply_id, "".join(pending)))
+            backend = engine.backend
+            status = "stopped" if backend.finish_reason == "cancelled" else "complete"
+            timings = backend.timings.as_dict() | {"finish_reason": backend.finish_reason}
+            self.history.finish_reply(reply_id, "".join(pieces), status, timings)
+            summary = (f"{backend.timings.predicted_n} tok · {backend.timings.predicted_per_second:.1f} t/s"
+                       + ("" if backend.finish_reason in ("stop", "cancelled") else f" · {backend.finish_reason}"))
+            self.post_message(ResponseDone(reply_id, status, backend.finish_reason or "", summary))
+        except Exception as e:   # noqa: BLE001 - any engine failure becomes a message in the app
+            error = str(e) or type(e).__name__
+            try:
+                self.history.finish_reply(reply_id, "".join(pieces), "error", {"error": error})
+            except Exception:    # noqa: BLE001 - the db is gone (app shutting down); nothing to save into
+                pass
+            self.post_message(ResponseFailed(reply_id, error))
+        finally:
+            self.worker_idle.set()
+
+    @on(ResponseStarted)
+    def on_response_started(self, event: ResponseStarted) -> None:
+        self.refresh_stats()
+
+    @on(TokenArrived)
+    async def on_token_arrived(self, event: TokenArrived) -> None:
+        widget = self.reply_widget
+        if widget is not None and widget.message_id == event.reply_id:
+            await widget.append(event.text)
+
+    @on(ResponseDone)
+    async def on_response_done(self, event: ResponseDone) -> None:
+        await self.end_reply(event.reply_id, event.status, event.summary)
+
+    @on(ResponseFailed)
+    async def on_response_failed(self, event: ResponseFailed) -> None:
+        self.notify(f"Generation failed: {event.error}", severity="error", timeout=8)
+        await self.end_reply(event.reply_id, "error", event.error)
+
+    async def end_reply(self, reply_id: int, status: str, note: str) -> None:
+        widget = self.reply_widget
+        if widget is not None and widget.message_id == reply_id:
+            await widget.finish(status, note)
+        self.generating = False
+        self.stats_timer.pause()
+        self.refresh_stats()
+        await self.refresh_sidebar()
+
+    # --- stats -----------------------------------------------------------------------------
+    def refresh_stats(self, queued: bool = False) -> None:
+        engine = self.engine
+        status = self.query_one(StatusBar)
+        xray = self.query_one(XRayPanel)
+        if engine is None:
+            queued = " | queued: 1 message" if self.queued_text is not None else ""
+            status.update((f"{self.model_spec} · loading…" if self.loading_model else f"{self.model_spec} · no model")
+                          + queued)
+            xray.show(None, None)
+            return
+        backend = engine.backend
+        if not self.generated_once:   # nothing measured in this session yet
+            status.update(f"{engine.model_name} · {engine.backend_name} · ctx {engine.n_ctx} · ready")
+            return
+        line = status_line(engine.model_name, engine.backend_name, backend.stats, backend.timings,
+                           self.generating)
+        status.update(line + (" | queued" if queued else ""))
+        if xray.display:
+            xray.show(backend.stats, backend.kv_block_map(), queued)
+
+    # --- models ----------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="model")
+    def load_model(self, spec: str) -> None:
+        from core.engine import Engine
+        last = [0.0]
+
+        def progress(stage: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.1 or done >= total:
+                last[0] = now
+                self.post_message(ModelProgress(stage, done, total))
+
+        self.post_message(ModelProgress(f"loading {spec}", 0, 0))
+        try:
+            engine = Engine(spec, backend=self.backend_pref or (self.engine.backend_name if self.engine else None),
+                            n_ctx=self.n_ctx, threads=self.threads, progress=progress)
+        except Exception as e:   # noqa: BLE001 - a bad file must not take the app down
+            self.post_message(ModelFailed(spec, str(e) or type(e).__name__))
+            return
+        self.post_message(ModelLoaded(engine))
+
+    @on(ModelProgress)
+    def on_model_progress(self, event: ModelProgress) -> None:
+        box = self.query_one("#model-loading")
+        box.display = True
+        self.query_one("#model-stage", Label).update(event.stage)
+        bar = self.query_one("#model-progress", ProgressBar)
+        bar.update(total=event.total or None, progress=event.done)
+        self.refresh_stats()
+
+    @on(ModelLoaded)
+    def on_model_loaded(self, event: ModelLoaded) -> None:
+        old, self.engine = self.engine, event.engine
+        self.loading_model = None
+        self.model_spec = self.engine.model_name
+        self.query_one("#model-loading").display = False
+        if old is not None and old is not self.engine:
+            old.close()
+        if not self.engine.has_chat_template:
+            self.notify(f"{self.engine.model_name} has no chat template: plain completion of the conversation")
+        self.notify(f"Model {self.engine.model_name} ready ({self.engine.backend_name})")
+        self.generated_once = False
+        self.refresh_stats()
+        if self.queued_text is not None:
+            text, self.queued_text = self.queued_text, None
+            self.call_later(self.send, text)
+
+    @on(ModelFailed)
+    def on_model_failed(self, event: ModelFailed) -> None:
+        self.loading_model = None
+        self.query_one("#model-loading").display = False
+        keep = f"; keeping {self.engine.model_name}" if self.engine is not None else ""
+        self.notify(f"Could not load {event.spec}: {event.error}{keep}", title="Model error", severity="error",
+                    timeout=10)
+        self.refresh_stats()
+
+    def action_switch_model(self) -> None:
+        if self.generating:
+            self.notify("Stop the reply first (esc)", severity="warning")
+            return
+
+        def chosen(spec: str | None) -> None:
+            if spec:
+                self.loading_model = spec
+                self.load_model(spec)
+        self.push_screen(ModelScreen(self.engine.model_name if self.engine else self.model_spec), chosen)
+
+    # --- actions ---------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.generating:
+            self.cancel_event.set()
+            self.refresh_stats()
+        elif self.editing_message_id is not None:
+            self.editing_message_id = None
+            self.query_one(ChatInput).clear()
+            self.notify("Edit cancelled")
+
+    async def action_new_chat(self) -> None:
+        if self.generating:
+            self.notify("Stop the reply first (esc)", severity="warning")
+            return
+        await self.open_conversation(None)
+        self.query_one(ChatInput).focus()
+
+    async def action_regenerate(self) -> None:
+        if self.generating or self.engine is None or self.conversation_id is None:
+            return
+        msgs = self.history.messages(self.conversation_id)
+        if not msgs:
+            return
+        last = msgs[-1]
+        if last.role == "assistant":
+            self.history.delete_messages_from(self.conversation_id, last.id)
+            for box in self.query(AssistantMessage):
+                if box.message_id == last.id:
+                    await box.remove()
+        await self.start_reply()
+
+    def action_edit_last(self) -> None:
+        if self.generating or self.conversation_id is None:
+            return
+        users = [m for m in self.history.messages(self.conversation_id) if m.role == "user"]
+        if not users:
+            return
+        self.editing_message_id = users[-1].id
+        box = self.query_one(ChatInput)
+        box.text = users[-1].content
+        box.focus()
+        self.notify("Editing your last message: enter resends it, esc cancels")
+
+    def action_rename_chat(self) -> None:
+        if self.conversation_id is None:
+            self.notify("Nothing to rename yet: send a message first")
+            return
+        conv = self.history.get_conversation(self.conversation_id)
+
+        async def renamed(title: str | None) -> None:
+            if title and title.strip():
+                self.history.update_conversation(conv.id, title=title.strip())
+                await self.refresh_sidebar()
+        self.push_screen(PromptScreen("Rename chat", conv.title), renamed)
+
+    def action_delete_chat(self) -> None:
+        if self.conversation_id is None or self.generating:
+            return
+        conv = self.history.get_conversation(self.conversation_id)
+
+        async def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.history.delete_conversation(conv.id)
+                rest = self.history.list_conversations()
+                await self.open_conversation(rest[0].id if rest else None)
+                self.notify(f"Deleted '{conv.title}'")
+        self.push_screen(ConfirmScreen(f"Delete the chat '{conv.title}' and all its messages?"), confirmed)
+
+    def action_system_prompt(self) -> None:
+        current = (self.history.get_conversation(self.conversation_id).system_prompt
+                   if self.conversation_id is not None else self.new_chat_system_prompt)
+
+        def saved(text: str | None) -> None:
+            if text is None:
+                return
+            if self.conversation_id is None:
+                self.new_chat_system_prompt = text
+            else:
+                self.history.update_conversation(self.conversation_id, system_prompt=text)
+            self.notify("System prompt saved" + ("" if self.engine is None or self.engine.has_chat_template
+                                                 else " (this model has no chat template: it is prepended as text)"))
+        self.push_screen(PromptScreen("System prompt for this chat", current, multiline=True), saved)
+
+    def action_settings(self) -> None:
+        def saved(params: SamplingParams | None) -> None:
+            if params is None:
+                return
+            self.params = params
+            if self.conversation_id is not None:
+                self.history.update_conversation(self.conversation_id, settings=params_to_dict(params))
+            self.notify("Settings saved")
+        self.push_screen(SettingsScreen(self.params), saved)
+
+    def action_toggle_xray(self) -> None:
+        xray = self.query_one(XRayPanel)
+        xray.display = not xray.display
+        if xray.display:
+            if self.engine is not None and self.generated_once:
+                xray.show(self.engine.backend.stats, self.engine.backend.kv_block_map(), False)
+            else:
+                xray.show(None if self.engine is None else dataclasses.replace(self.engine.backend.stats,
+                          phase="idle", token_latencies_ms=[], cache_n=0, n_past=0), None)
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.query_one(Sidebar)
+        sidebar.display = not sidebar.display
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_toggle_theme(self) -> None:
+        self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
+
+    def target_reply(self) -> AssistantMessage | None:
+        focused = self.focused
+        if isinstance(focused, AssistantMessage):
+            return focused
+        replies = list(self.query(AssistantMessage))
+        return replies[-1] if replies else None
+
+    def action_copy_reply(self) -> None:
+        reply = self.target_reply()
+        if reply is None or not reply.content:
+            self.notify("No reply to copy")
+            return
+        self.copy_to_clipboard(reply.content)
+        self.notify(f"Copied the reply ({len(reply.content)} characters)")
+
+    def action_copy_code(self) -> None:
+        reply = self.target_reply()
+        blocks = code_blocks(reply.content) if reply is not None else []
+        if not blocks:
+            self.notify("No code block in the reply")
+            return
+        self.copy_to_clipboard(blocks[-1])
+        self.notify(f"Copied the code block ({len(blocks[-1].splitlines())} lines)")
+
+    def action_export_chat(self) -> None:
+        if self.conversation_id is None:
+            self.notify("Nothing to export yet")
+            return
+        folder = self.history.path.parent / "exports"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"kvchat-{self.conversation_id}.md"
+        path.write_text(self.history.export_conversation(self.conversation_id, "md") + "\n", encoding="utf-8")
+        self.notify(f"Exported to {path}", timeout=8)
+
+
+def run_tui(args) -> int:
+    """`kvchat chat`: the App opens at once; the model loads in the background with a progress bar."""
+    app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads)
+    app.run()
+    return 0

@@ -1,0 +1,81 @@
+"""Live numbers from the engine's own counters: the status bar and the Inference X-ray panel."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.containers import Vertical
+from textual.widgets import Label, Sparkline, Static
+
+from core.backend import LiveStats, Timings
+
+
+
+def status_line(model: str, backend: str, stats: LiveStats | None, timings: Timings | None, busy: bool) -> str:
+    """The status bar text, in llama.cpp's words."""
+    if stats is None or timings is None:
+        return f"{model} · {backend}"
+    parts = []   # the numbers first, so they stay visible at 80 columns
+    if timings.ttft_ms or timings.prompt_n:
+        parts += [f"TTFT {timings.ttft_ms:.0f} ms", f"prompt {timings.prompt_per_second:.0f} t/s",
+                  f"eval {timings.predicted_per_second:.1f} t/s"]
+    parts += [f"ctx {stats.n_past}/{stats.n_ctx}", f"cache_n {stats.cache_n}"]
+    if busy:
+        parts.append(phase_text(stats))
+    parts.append(f"{model} · {backend}")
+    return " | ".join(parts)
+
+
+def phase_text(stats: LiveStats, queued: bool = False) -> str:
+    if queued:
+        return "queued"
+    if stats.phase == "prefill":
+        return f"prefill {stats.prefill_done}/{stats.prefill_total}"
+    if stats.phase == "decode":
+        return f"decode (token {len(stats.token_latencies_ms)})"
+    return stats.phase
+
+
+class StatusBar(Static):
+    pass
+
+
+class XRayPanel(Vertical):
+    """Phase, per-token latency, KV block map and prefix reuse, refreshed on a timer while generating."""
+
+    def compose(self):
+        self.border_title = "Inference X-ray"
+        yield Label("phase: idle", id="xray-phase", markup=False)
+        yield Label("token latency (ms)", classes="xray-heading")
+        yield Sparkline([], id="xray-sparkline")
+        yield Label("", id="xray-latency", markup=False)
+        yield Label("KV cache blocks", classes="xray-heading")
+        yield Static("", id="xray-kv")
+        yield Label("", id="xray-prefix", markup=False)
+        yield Label("speculative: off", id="xray-spec", markup=False)
+
+    def show(self, stats: LiveStats | None, block_map: list[str] | None, queued: bool = False) -> None:
+        if stats is None:
+            self.query_one("#xray-phase", Label).update("phase: no model")
+            return
+        self.query_one("#xray-phase", Label).update(f"phase: {phase_text(stats, queued)}")
+        lat = list(stats.token_latencies_ms[-60:])
+        self.query_one("#xray-sparkline", Sparkline).data = lat
+        if lat:
+            last, peak = lat[-1], max(lat)
+            self.query_one("#xray-latency", Label).update(f"last {last:.1f} ms · max {peak:.1f} ms · n {len(stats.token_latencies_ms)}")
+        else:
+            self.query_one("#xray-latency", Label).update("no tokens yet")
+        self.query_one("#xray-kv", Static).update(self.block_map_text(block_map))
+        self.query_one("#xray-prefix", Label).update(
+            f"prefix reused: {stats.cache_n} tok\ncontext: {stats.n_past}/{stats.n_ctx}")
+
+    def block_map_text(self, block_map: list[str] | None) -> Text:
+        if not block_map:
+            return Text("n/a for this backend", style="dim")
+        styles = {"used": "bold blue", "shared": "bold green", "free": "dim"}
+        glyphs = {"used": "█", "shared": "█", "free": "░"}
+        text = Text()
+        for state in block_map[:400]:
+            text.append(glyphs.get(state, "?"), style=styles.get(state, ""))
+        counts = {s: block_map.count(s) for s in ("used", "shared", "free")}
+        text.append(f"\nused {counts['used']} · shared {counts['shared']} · free {counts['free']}")
+        return text

@@ -1,0 +1,197 @@
+"""The TUI driven by Textual's Pilot against the real engine (gemma-3-270m on llama.cpp, a base model:
+plain completion) and a real SQLite history."""
+from __future__ import annotations
+
+import pytest
+
+from app.tui.app import KvChatApp, TokenArrived
+from app.tui.screens.settings import SettingsScreen
+from app.tui.widgets.messages import AssistantMessage, UserMessage
+from core.backend import SamplingParams
+from core.history import History
+from tests.app.conftest import FIXED_REPLY, wait_until
+
+pytestmark = pytest.mark.asyncio
+
+SIZE = (80, 24)
+
+
+def make_app(engine, db, **params) -> KvChatApp:
+    app = KvChatApp(engine=engine, db_path=db)
+    app.params = SamplingParams(**({"temperature": 0.0, "max_tokens": 12, "seed": 1} | params))
+    return app
+
+
+async def type_and_send(pilot, text: str) -> None:
+    app = pilot.app
+    app.query_one("#input").focus()
+    await pilot.press(*[c if c != " " else "space" for c in text])
+    await pilot.press("enter")
+
+
+async def test_send_streams_and_completes(engine, tmp_path):
+    db = tmp_path / "h.db"
+    tokens = []
+    app = make_app(engine, db, max_tokens=24)
+    async with app.run_test(size=SIZE, message_hook=lambda m: tokens.append(m) if isinstance(m, TokenArrived) else None) as pilot:
+        await type_and_send(pilot, "The capital of France is")
+        await wait_until(pilot, lambda: app.generating, 10, "generation to start")
+        await wait_until(pilot, lambda: not app.generating, 60, "the reply to finish")
+        await pilot.pause()
+        replies = list(app.query(AssistantMessage))
+        assert len(replies) == 1 and replies[0].status == "complete"
+        assert replies[0].content.strip()
+        assert len(tokens) >= 1
+        assert "".join(t.text for t in tokens) == replies[0].content      # streamed text == final text
+        assert app.query_one("#input").text == ""                         # the input was cleared
+        status = str(app.query_one("#status").render())
+        assert "TTFT" in status and "eval" in status and "/512" in status
+        stored = History(db).messages(app.conversation_id)
+        assert [(m.role, m.status) for m in stored] == [("user", "complete"), ("assistant", "complete")]
+        assert stored[0].content == "The capital of France is"
+        assert stored[1].content == replies[0].content
+        assert stored[1].timings["predicted_n"] >= 1
+
+
+async def test_escape_stops_mid_stream(engine, tmp_path):
+    db = tmp_path / "h.db"
+    app = make_app(engine, db, max_tokens=400, temperature=0.8)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "Once upon a time")
+        await wait_until(pilot, lambda: app.reply_widget is not None and len(app.reply_widget.content) > 10,
+                         60, "some streamed text")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.generating, 30, "the stop")
+        reply = app.reply_widget
+        assert reply.status == "stopped" and "stopped" in reply.border_subtitle
+        assert engine.backend.finish_reason == "cancelled"
+        assert engine.backend.timings.predicted_n < 400
+        stored = History(db).messages(app.conversation_id)[-1]
+        assert stored.status == "stopped" and stored.content == reply.content and stored.content
+
+
+async def test_regenerate_replaces_last_reply(engine, tmp_path):
+    db = tmp_path / "h.db"
+    app = make_app(engine, db, temperature=1.0, seed=None, max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "My favourite colour is")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 60, "first reply")
+        first_id = app.reply_widget.message_id
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: app.reply_widget.message_id != first_id and not app.generating, 60,
+                         "regenerated reply")
+        await pilot.pause()
+        replies = list(app.query(AssistantMessage))
+        assert len(replies) == 1 and replies[0].message_id != first_id and replies[0].status == "complete"
+        stored = History(db).messages(app.conversation_id)
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[1].id != first_id
+
+
+async def test_edit_and_resend_last_message(engine, fixed_db):
+    app = make_app(engine, fixed_db, max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        await pilot.press("ctrl+e")
+        box = app.query_one("#input")
+        assert box.text == "Write a Python function that adds two numbers."
+        box.text = "Write a Python function that multiplies"
+        box.focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 60, "the new reply")
+        stored = History(fixed_db).messages(app.conversation_id)
+        assert [m.role for m in stored] == ["user", "assistant"]
+        assert stored[0].content == "Write a Python function that multiplies"
+        assert FIXED_REPLY not in [m.content for m in stored]
+        assert [u.content for u in app.query(UserMessage)] == ["Write a Python function that multiplies"]
+
+
+async def test_history_survives_restart(engine, tmp_path):
+    db = tmp_path / "h.db"
+    app = make_app(engine, db, max_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "Roses are red")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 60, "reply")
+        reply_text = app.reply_widget.content
+        conversation_id = app.conversation_id
+    again = make_app(engine, db)
+    async with again.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert again.conversation_id == conversation_id
+        assert [u.content for u in again.query(UserMessage)] == ["Roses are red"]
+        assert [a.content for a in again.query(AssistantMessage)] == [reply_text]
+        titles = [str(item.conversation.title) for item in again.query("ConversationItem")]
+        assert titles == ["Roses are red"]
+
+
+async def test_corrupt_model_file_is_reported_and_current_model_kept(engine, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00garbage" * 1000)
+    app = make_app(engine, tmp_path / "h.db")
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await pilot.press("f5")
+        await pilot.pause()
+        app.screen.query_one("#model-path").value = str(bad)
+        app.screen.query_one("#model-path").focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: any("Could not load" in n.message for n in app._notifications), 30,
+                         "the error notification")
+        note = next(n for n in app._notifications if "Could not load" in n.message)
+        assert note.severity == "error" and "broken.gguf" in note.message and "keeping gemma-3-270m" in note.message
+        assert app.engine is engine and app.loading_model is None
+        assert not app.query_one("#model-loading").display
+
+
+async def test_bad_setting_is_refused_in_place(engine, tmp_path):
+    db = tmp_path / "h.db"
+    app = make_app(engine, db)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        screen.query_one("#set-temperature").value = "-1"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.screen is screen
+        assert "temperature must be in [0, 10]" in str(screen.query_one("#settings-error").render())
+        screen.query_one("#set-temperature").value = "0.5"
+        screen.query_one("#set-top_k").value = "many"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.screen is screen and "top-k" in str(screen.query_one("#settings-error").render())
+        screen.query_one("#set-top_k").value = "20"
+        screen.query_one("#set-seed").value = "42"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert not isinstance(app.screen, SettingsScreen)
+        assert (app.params.temperature, app.params.top_k, app.params.seed) == (0.5, 20, 42)
+
+
+async def test_copy_keys_rename_and_delete(engine, fixed_db):
+    app = make_app(engine, fixed_db)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        await pilot.press("ctrl+l")
+        assert app.clipboard == "def add(a, b):\n    return a + b"
+        await pilot.press("ctrl+g")
+        assert app.clipboard == FIXED_REPLY
+        current = app.conversation_id
+        await pilot.press("f2")
+        await pilot.pause()
+        app.screen.query_one("#prompt-value").value = "Sums"
+        app.screen.query_one("#prompt-value").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert History(fixed_db).get_conversation(current).title == "Sums"
+        await pilot.press("f8")
+        await pilot.pause()
+        await pilot.press("escape")          # no: nothing deleted
+        await pilot.pause()
+        assert len(History(fixed_db).list_conversations()) == 2
+        await pilot.press("f8")
+        await pilot.pause()
+        await pilot.press("y")
+        await pilot.pause()
+        remaining = History(fixed_db).list_conversations()
+        assert [c.title for c in remaining] == ["Greetings"] and app.conversation_id == remaining[0].id
+        assert [u.content for u in app.query(UserMessage)] == ["Hello"]

@@ -1,0 +1,195 @@
+"""`kvchat run`, `tokenize` and `models` driven as a user would: the installed console script."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from tests.conftest import run_kvchat
+
+GREEDY = ["--temperature", "0", "--max-tokens", "24"]
+
+
+def test_run_streams_a_greedy_answer_as_json(qwen_path):
+    out = run_kvchat("run", "Tell me a fun fact about the Roman Empire", "--backend", "llama.cpp", "--json", *GREEDY)
+    assert out.returncode == 0, out.stderr.decode()
+    result = json.loads(out.stdout)
+    assert set(result) >= {"text", "tokens", "finish_reason", "timings", "model", "backend", "device", "truncated"}
+    assert set(result["timings"]) == {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "ttft_ms", "cache_n"}
+    assert result["model"] == "qwen2.5-coder-0.5b-instruct" and result["backend"] == "llama.cpp"
+    assert result["device"] == "cpu" and result["truncated"] is False
+    assert result["finish_reason"] in ("stop", "length")
+    assert 1 <= len(result["tokens"]) <= 24 and result["timings"]["predicted_n"] == len(result["tokens"])
+    assert "Roman" in result["text"] or "Rome" in result["text"]
+    # the same greedy run, streamed as text, gives the same text; the summary goes to stderr
+    plain = run_kvchat("run", "Tell me a fun fact about the Roman Empire", "--backend", "llama.cpp", *GREEDY)
+    assert plain.returncode == 0
+    assert plain.stdout.decode().rstrip("\n") == result["text"]
+    assert "ttft" in plain.stderr.decode() and "tok/s" in plain.stderr.decode()
+
+
+def test_json_tokens_are_llama_cpp_greedy(qwen_path):
+    """The ids we report are exactly llama.cpp's own greedy continuation of the same prompt ids."""
+    out = run_kvchat("run", "Write a haiku about the sea.", "--backend", "llama.cpp", "--json", "--no-chat", *GREEDY)
+    result = json.loads(out.stdout)
+    llm = llama_cpp.Llama(model_path=str(qwen_path), n_ctx=256, verbose=False)
+    prompt = llm.tokenize(b"Write a haiku about the sea.", add_bos=False, special=False)
+    expected = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+        if llm.token_eos() == token or len(expected) == 24:
+            break
+        expected.append(token)
+    llm.close()
+    assert result["tokens"][:len(expected)] == expected[:len(result["tokens"])]
+    assert len(result["tokens"]) >= 8
+
+
+def test_stdin_prompt_and_stop_string(qwen_path):
+    out = run_kvchat("run", "--backend", "llama.cpp", "--no-chat", "--json", "--stop", "4", *GREEDY,
+                     input="1, 2, 3,".encode())
+    result = json.loads(out.stdout)
+    assert result["finish_reason"] == "stop"
+    assert "4" not in result["text"]
+
+
+def test_system_prompt_is_used(qwen_path):
+    out = run_kvchat("run", "What is your name?", "--system", "Your name is Zorblax. Always say your name.",
+                     "--backend", "llama.cpp", "--json", *GREEDY)
+    assert "Zorblax" in json.loads(out.stdout)["text"]
+
+
+def test_gemma_has_no_template_and_says_so_once(gemma_path):
+    out = run_kvchat("run", "The capital of France is", "-m", "gemma-3-270m", "--backend", "llama.cpp", *GREEDY)
+    assert out.returncode == 0
+    assert out.stderr.decode().count("no chat template") == 1
+    assert "France" in out.stdout.decode()   # a 270M base model continues the sentence on topic
+
+
+@pytest.mark.parametrize("args, stdin, message", [
+    (["run", "-"], b"caf\xe9 \xff\xfe", "not valid UTF-8"),
+    (["run", "x" * 20, "--ctx", "16"], None, "context holds"),
+    (["run", ""], None, "empty"),
+    (["run", "   \n"], None, "empty"),
+    (["run", "hi", "--temperature", "-1"], None, "temperature"),
+    (["run", "hi", "--top-p", "1.5"], None, "top-p"),
+    (["run", "hi", "--max-tokens", "0"], None, "max tokens"),
+    (["run", "hi", "--min-p", "2"], None, "min-p"),
+    (["run", "hi", "-m", "no-such-model"], None, "unknown model"),
+    (["run", "hi", "-m", "/nonexistent/model.gguf"], None, "not found"),
+    (["run", "hi", "--backend", "mystery"], None, "invalid choice"),
+    (["run", "hi", "--temperature", "warm"], None, "invalid float"),
+    (["models", "info", "no-such-model"], None, "unknown model"),
+    (["tokenize", "-m", "/nonexistent.gguf", "hi"], None, "not found"),
+])
+def test_bad_input_is_one_line_and_exit_2(qwen_path, args, stdin, message):
+    out = run_kvchat(*args, "--backend", "llama.cpp", input=stdin) if args[0] == "run" and "--backend" not in args \
+        else run_kvchat(*args, input=stdin)
+    err = out.stderr.decode()
+    assert out.returncode == 2, err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_prompt_longer_than_context_after_template(qwen_path):
+    out = run_kvchat("run", "word " * 200, "--ctx", "64", "--backend", "llama.cpp")
+    assert out.returncode == 2 and "context holds 64" in out.stderr.decode()
+
+
+@pytest.fixture
+def bad_files(tmp_path, qwen_path):
+    files = {
+        "empty": b"",
+        "not_gguf": b"<html>404 Not Found</html>" * 20,
+        "garbage": b"GGUF" + os.urandom(4096),
+    }
+    with open(qwen_path, "rb") as f:
+        files["truncated"] = f.read(20_000_000)
+    paths = {}
+    for name, data in files.items():
+        paths[name] = tmp_path / f"{name}.gguf"
+        paths[name].write_bytes(data)
+    return paths
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("empty", "empty"), ("not_gguf", "not a GGUF"), ("garbage", "corrupt"), ("truncated", "past the end"),
+])
+@pytest.mark.parametrize("command", ["info", "run"])
+def test_bad_model_files(bad_files, kind, message, command):
+    path = str(bad_files[kind])
+    args = ["models", "info", path] if command == "info" else ["run", "hi", "-m", path, "--backend", "llama.cpp"]
+    out = run_kvchat(*args)
+    err = out.stderr.decode()
+    assert out.returncode == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unsupported_architecture_and_type_via_cli(tmp_path):
+    from gguf import GGMLQuantizationType
+    from tests.models.test_gguf_file import write_gguf
+    arch = write_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    iq = write_gguf(tmp_path / "iq.gguf", tensor_type=GGMLQuantizationType.IQ2_XXS)
+    for path, message in ((arch, "unsupported architecture"), (iq, "unsupported tensor type")):
+        out = run_kvchat("models", "info", str(path))
+        assert out.returncode == 2 and message in out.stderr.decode()
+
+
+def test_ctrl_c_flushes_and_exits_130(qwen_path):
+    exe = Path(sys.executable).parent / "kvchat"
+    proc = subprocess.Popen([str(exe), "run", "Count from 1 to 1000, one number per line.", "--backend", "llama.cpp",
+                             "--temperature", "0", "--max-tokens", "2000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    first = proc.stdout.read(8)          # wait until text is streaming
+    assert first
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    text = (first + rest).decode()
+    assert len(text) >= 8 and "interrupted" in err.decode()   # what streamed before Ctrl-C was kept
+    assert "Traceback" not in err.decode()
+
+
+def test_tokenize_cli_json(qwen_path):
+    text = "Hello, мир! 😀\n<|im_end|>"
+    plain = json.loads(run_kvchat("tokenize", text, "--json").stdout)
+    special = json.loads(run_kvchat("tokenize", text, "--json", "--special").stdout)
+    llm = llama_cpp.Llama(model_path=str(qwen_path), vocab_only=True, verbose=False)
+    assert plain["tokens"] == llm.tokenize(text.encode(), add_bos=False, special=False)
+    assert special["tokens"] == llm.tokenize(text.encode(), add_bos=False, special=True)
+    assert special["pieces"][-1] == "<|im_end|>" and len(plain["pieces"]) == len(plain["tokens"])
+    stdin = run_kvchat("tokenize", "-", "--json", input=text.encode())
+    assert json.loads(stdin.stdout) == plain
+
+
+def test_tokenize_bos_only_when_asked(gemma_path):
+    without = json.loads(run_kvchat("tokenize", "-m", "gemma-3-270m", "hi", "--json").stdout)["tokens"]
+    with_bos = json.loads(run_kvchat("tokenize", "-m", "gemma-3-270m", "hi", "--json", "--bos").stdout)["tokens"]
+    assert with_bos == [2] + without
+
+
+def test_models_list_info_path(qwen_path):
+    listing = run_kvchat("models", "list").stdout.decode()
+    for name in ("qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"):
+        assert name in listing
+    assert run_kvchat("models", "path", "qwen2.5-coder-0.5b-instruct").stdout.decode().strip() == str(qwen_path)
+    info = json.loads(run_kvchat("models", "info", "qwen2.5-coder-0.5b-instruct", "--json").stdout)
+    assert info["architecture"] == "qwen2" and info["chat_template"] is True
+    text = run_kvchat("models", "info", str(qwen_path)).stdout.decode()
+    assert "Q4_K" in text and "context length  32768" in text
+
+
+def test_bench_json_rows(qwen_path):
+    out = run_kvchat("bench", "--backend", "llama.cpp", "-p", "32", "-n", "8", "-r", "2", "--json")
+    assert out.returncode == 0, out.stderr.decode()
+    rows = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert {r["test"] for r in rows} == {"pp32", "tg8", "ttft"}
+    for r in rows:
+        assert {"backend", "test", "t_s_mean", "t_s_sd", "n", "gb_s"} <= set(r)
+        assert r["backend"] == "llama.cpp" and r["n"] == 2 and r["t_s_mean"] > 0
+    tg = next(r for r in rows if r["test"] == "tg8")
+    assert tg["gb_s"] == pytest.approx(tg["t_s_mean"] * 0.392, rel=0.05)

@@ -1,0 +1,101 @@
+"""GGUF files are untrusted: every kind of damage is a one-line BadInputError, and info is right."""
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from models.errors import BadInputError
+from models.gguf_file import GGUFFile, open_model
+
+
+def write_gguf(path, arch="llama", tensor_type=None):
+    writer = GGUFWriter(str(path), arch)
+    writer.add_context_length(128)
+    writer.add_embedding_length(32)
+    writer.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32))
+    if tensor_type is not None:
+        block_bytes = {GGMLQuantizationType.IQ2_XXS: 66}[tensor_type]
+        raw = np.zeros((4, block_bytes), dtype=np.uint8)
+        writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=tensor_type)   # shape given in bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_valid_file_info(tmp_path):
+    info = open_model(write_gguf(tmp_path / "ok.gguf")).info()
+    assert info["architecture"] == "llama"
+    assert info["parameters"] == 8 * 32
+    assert info["tensor_types"] == {"F32": 1}
+    assert info["context_length"] == 128
+    assert info["chat_template"] is False
+    assert info["file_size"] == (tmp_path / "ok.gguf").stat().st_size
+
+
+def test_real_model_info(qwen_path):
+    info = open_model(qwen_path).info()
+    assert info["architecture"] == "qwen2"
+    assert 4.5e8 < info["parameters"] < 7e8   # 0.49B plus a separate output matrix
+    assert set(info["tensor_types"]) == {"Q5_0", "Q8_0", "Q6_K", "Q4_K", "F32"}
+    assert info["chat_template"] is True and info["context_length"] == 32768
+
+
+def test_missing(tmp_path):
+    with pytest.raises(BadInputError, match="not found"):
+        GGUFFile(tmp_path / "nope.gguf")
+
+
+def test_empty(tmp_path):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(BadInputError, match="empty"):
+        GGUFFile(tmp_path / "empty.gguf")
+
+
+def test_not_gguf(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04 this is a zip, not a model" * 10)
+    with pytest.raises(BadInputError, match="not a GGUF"):
+        GGUFFile(tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize("keep", [6, 24, 100, 300])
+def test_truncated_header(tmp_path, keep):
+    data = write_gguf(tmp_path / "ok.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:keep])
+    with pytest.raises(BadInputError, match="corrupt|truncated|past the end"):
+        GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_tensor_past_end(tmp_path):
+    data = write_gguf(tmp_path / "ok.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-100])     # header intact, tensor data cut short
+    with pytest.raises(BadInputError, match="past the end"):
+        GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_truncated_real_model(qwen_path, tmp_path):
+    cut = tmp_path / "qwen-cut.gguf"
+    with open(qwen_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(50_000_000))
+    with pytest.raises(BadInputError, match="past the end"):
+        GGUFFile(cut)
+
+
+def test_unsupported_architecture(tmp_path):
+    with pytest.raises(BadInputError, match="unsupported architecture 'mamba'"):
+        open_model(write_gguf(tmp_path / "m.gguf", arch="mamba"))
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = write_gguf(tmp_path / "iq.gguf", tensor_type=GGMLQuantizationType.IQ2_XXS)
+    assert GGUFFile(path).type_counts["IQ2_XXS"] == 1      # readable...
+    with pytest.raises(BadInputError, match="unsupported tensor type IQ2_XXS"):
+        open_model(path)                                      # ...but not runnable
+
+
+def test_garbage_after_magic(tmp_path):
+    (tmp_path / "g.gguf").write_bytes(b"GGUF" + np.random.default_rng(1).bytes(5000))
+    with pytest.raises(BadInputError):
+        GGUFFile(tmp_path / "g.gguf")
