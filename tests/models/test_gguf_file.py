@@ -99,3 +99,39 @@ def test_garbage_after_magic(tmp_path):
     (tmp_path / "g.gguf").write_bytes(b"GGUF" + np.random.default_rng(1).bytes(5000))
     with pytest.raises(BadInputError):
         GGUFFile(tmp_path / "g.gguf")
+
+
+@pytest.mark.parametrize("model", ["qwen_path", "gemma_path"])
+def test_our_parser_agrees_with_gguf_reader(request, model):
+    """Our fast reader must see exactly what gguf.GGUFReader sees: metadata, tensor layout and bytes."""
+    from gguf import GGUFReader
+    path = request.getfixturevalue(model)
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        expected = field.contents()
+        if isinstance(expected, list) and expected and isinstance(expected[0], float):
+            np.testing.assert_allclose(ours.get(key), expected, rtol=0)
+        else:
+            assert ours.get(key) == expected, key
+    assert [t.name for t in ours.reader.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.reader.tensors, theirs.tensors):
+        assert (a.data.shape, a.data.dtype, a.data_offset, a.n_bytes) == (b.data.shape, b.data.dtype, b.data_offset, b.n_bytes)
+        assert np.array_equal(a.data[:3], b.data[:3]) and np.array_equal(a.data[-1:], b.data[-1:])
+
+
+def test_bad_version(tmp_path):
+    data = bytearray(write_gguf(tmp_path / "ok.gguf").read_bytes())
+    data[4:8] = (99).to_bytes(4, "little")
+    (tmp_path / "v.gguf").write_bytes(bytes(data))
+    with pytest.raises(BadInputError, match="version 99"):
+        GGUFFile(tmp_path / "v.gguf")
+
+
+def test_absurd_counts_do_not_allocate(tmp_path):
+    data = bytearray(write_gguf(tmp_path / "ok.gguf").read_bytes())
+    data[16:24] = (2**60).to_bytes(8, "little")          # n_kv
+    (tmp_path / "n.gguf").write_bytes(bytes(data))
+    with pytest.raises(BadInputError, match="corrupt|truncated"):
+        GGUFFile(tmp_path / "n.gguf")
