@@ -175,10 +175,7 @@ def cmd_run(args) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     if not chat and args.system:
         messages = [{"role": "user", "content": args.system + "\n\n" + prompt}]
-    ids = engine.prompt_ids(messages, chat=chat)
-    if len(ids) >= engine.n_ctx:
-        raise BadInputError(f"the prompt is {len(ids)} tokens but the context holds {engine.n_ctx}; "
-                            "shorten it or raise --ctx")
+    ids, truncated = engine.fit_prompt(messages, chat=chat)
     cancel = threading.Event()
     pieces, tokens = [], []
     interrupted = False
@@ -199,7 +196,7 @@ def cmd_run(args) -> int:
         print(json.dumps({
             "text": "".join(pieces), "tokens": tokens, "finish_reason": backend.finish_reason,
             "timings": backend.timings.as_dict(), "model": engine.model_name, "backend": engine.backend_name,
-            "device": engine.device, "truncated": False,
+            "device": engine.device, "truncated": truncated,
         }, ensure_ascii=False))
     else:
         sys.stdout.write("\n")

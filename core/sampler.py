@@ -31,7 +31,10 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             ids, probs = self.candidates(logits)
-            token = int(ids[self.rng.choice(len(ids), p=probs)])
+            # Draw over the candidates in id order, not rank order: two backends whose logits differ
+            # by float noise then pick the same token unless the draw lands right on a boundary.
+            order = np.argsort(ids)
+            token = int(ids[order][self.rng.choice(len(ids), p=probs[order])])
         self.remember([token])
         return token
 
