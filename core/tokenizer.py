@@ -11,10 +11,12 @@ first; user-defined tokens always, control tokens only when `special=True`.
 from __future__ import annotations
 
 import codecs
+import os
 from functools import cached_property
 from typing import Sequence
 
 
+from core.paths import cache_dir
 from models.errors import BadInputError
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -48,7 +50,8 @@ class Tokenizer:
 
     def __init__(self, model: str, tokens: list[str], types: list[int], scores: list[float] | None,
                  merges: list[str] | None, bos_id: int | None, eos_id: int | None, add_bos: bool,
-                 add_space_prefix: bool, eot_id: int | None = None, unk_id: int | None = None):
+                 add_space_prefix: bool, eot_id: int | None = None, unk_id: int | None = None,
+                 cache_key: str | None = None):
         self.model = model
         self.tokens = tokens
         self.types = types
@@ -57,6 +60,8 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self.unk_id = unk_id
+        self._cache_key = cache_key
+        self._piece_cache: dict[int, bytes] = {}
         eog = {i for i in (eos_id, eot_id) if i is not None}
         eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS and types[i] in (CONTROL, USER_DEFINED)}
         self.eog_ids = frozenset(eog)
@@ -85,6 +90,7 @@ class Tokenizer:
             add_bos=bool(g.get("tokenizer.ggml.add_bos_token", model == "llama")),
             add_space_prefix=bool(g.get("tokenizer.ggml.add_space_prefix", model == "llama")),
             eot_id=g.get("tokenizer.ggml.eot_token_id"), unk_id=g.get("tokenizer.ggml.unknown_token_id"),
+            cache_key=f"{g.path.stem}-{g.file_size}-{int(g.path.stat().st_mtime)}",
         )
 
     # --- backends ---------------------------------------------------------------------------
@@ -101,14 +107,26 @@ class Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         self._hf = hf
-        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-        self._piece_bytes = [
-            t.encode() if self.types[i] in (CONTROL, USER_DEFINED) else bytes(byte_of.get(c, 0) for c in t)
-            for i, t in enumerate(self.tokens)
-        ]
+        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()}
 
     def _init_spm(self, scores: Sequence[float]) -> None:
+        """Building the ModelProto for a 262k vocabulary takes a second in Python, so the serialized
+        proto is cached in the user cache dir, keyed by the GGUF file's name, size and mtime."""
         import sentencepiece as spm
+
+        cached = cache_dir() / "tokenizers" / f"{self._cache_key}.spm" if self._cache_key else None
+        if cached is not None and cached.exists():
+            proto_bytes = cached.read_bytes()
+        else:
+            proto_bytes = self._spm_proto(scores)
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cached.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_bytes(proto_bytes)
+                os.replace(tmp, cached)
+        self._sp = spm.SentencePieceProcessor(model_proto=proto_bytes)
+
+    def _spm_proto(self, scores: Sequence[float]) -> bytes:
         from sentencepiece import sentencepiece_model_pb2 as pb
 
         proto = pb.ModelProto()
@@ -132,17 +150,23 @@ class Tokenizer:
             piece.score = float(scores[i])
             t = sp_type.get(kind, 1)
             piece.type = 2 if i == unk else (3 if t == 2 else t)
-        self._sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
-        pieces = []
-        for i, t in enumerate(self.tokens):
-            kind = self.types[i]
-            if kind == BYTE and len(t) == 6 and t.startswith("<0x"):
-                pieces.append(bytes([int(t[3:5], 16)]))
-            elif kind in (CONTROL, UNKNOWN, UNUSED):
-                pieces.append(t.encode())
+        return proto.SerializeToString()
+
+    def _piece_bytes(self, token_id: int) -> bytes:
+        """What a token stands for, as bytes (computed on first use: most ids are never decoded)."""
+        raw = self._piece_cache.get(token_id)
+        if raw is None:
+            text, kind = self.tokens[token_id], self.types[token_id]
+            if kind in (CONTROL, UNKNOWN, UNUSED, USER_DEFINED):
+                raw = text.encode()
+            elif self.model == "gpt2":
+                raw = bytes(self._byte_of.get(c, 0) for c in text)
+            elif kind == BYTE and len(text) == 6 and text.startswith("<0x"):
+                raw = bytes([int(text[3:5], 16)])
             else:
-                pieces.append(t.replace("\u2581", " ").encode())
-        self._piece_bytes = pieces
+                raw = text.replace("\u2581", " ").encode()
+            self._piece_cache[token_id] = raw
+        return raw
 
     # --- encoding ---------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
@@ -191,7 +215,7 @@ class Tokenizer:
             return b""
         if self.types[token_id] in (CONTROL, UNKNOWN, UNUSED) and not special:
             return b""
-        return self._piece_bytes[token_id]
+        return self._piece_bytes(token_id)
 
     def piece(self, token_id: int) -> str:
         """A token's text for display (invalid UTF-8 shown with replacement characters)."""
