@@ -35,8 +35,8 @@ async def test_send_streams_and_completes(engine, tmp_path):
     app = make_app(engine, db, max_tokens=24)
     async with app.run_test(size=SIZE, message_hook=lambda m: tokens.append(m) if isinstance(m, TokenArrived) else None) as pilot:
         await type_and_send(pilot, "The capital of France is")
-        await wait_until(pilot, lambda: app.generating, 10, "generation to start")
-        await wait_until(pilot, lambda: not app.generating, 60, "the reply to finish")
+        await wait_until(pilot, lambda: app.generating or app.reply_widget is not None, 120, "generation to start")
+        await wait_until(pilot, lambda: not app.generating, 120, "the reply to finish")
         await pilot.pause()
         replies = list(app.query(AssistantMessage))
         assert len(replies) == 1 and replies[0].status == "complete"
@@ -59,9 +59,9 @@ async def test_escape_stops_mid_stream(engine, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         await type_and_send(pilot, "Once upon a time")
         await wait_until(pilot, lambda: app.reply_widget is not None and len(app.reply_widget.content) > 10,
-                         60, "some streamed text")
+                         120, "some streamed text")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: not app.generating, 30, "the stop")
+        await wait_until(pilot, lambda: not app.generating, 90, "the stop")
         reply = app.reply_widget
         assert reply.status == "stopped" and "stopped" in reply.border_subtitle
         assert engine.backend.finish_reason == "cancelled"
@@ -75,7 +75,7 @@ async def test_regenerate_replaces_last_reply(engine, tmp_path):
     app = make_app(engine, db, temperature=1.0, seed=None, max_tokens=8)
     async with app.run_test(size=SIZE) as pilot:
         await type_and_send(pilot, "My favourite colour is")
-        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 60, "first reply")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "first reply")
         first_id = app.reply_widget.message_id
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: app.reply_widget.message_id != first_id and not app.generating, 60,
@@ -97,7 +97,7 @@ async def test_edit_and_resend_last_message(engine, fixed_db):
         box.text = "Write a Python function that multiplies"
         box.focus()
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 60, "the new reply")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "the new reply")
         stored = History(fixed_db).messages(app.conversation_id)
         assert [m.role for m in stored] == ["user", "assistant"]
         assert stored[0].content == "Write a Python function that multiplies"
@@ -110,7 +110,7 @@ async def test_history_survives_restart(engine, tmp_path):
     app = make_app(engine, db, max_tokens=6)
     async with app.run_test(size=SIZE) as pilot:
         await type_and_send(pilot, "Roses are red")
-        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 60, "reply")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "reply")
         reply_text = app.reply_widget.content
         conversation_id = app.conversation_id
     again = make_app(engine, db)
@@ -133,7 +133,7 @@ async def test_corrupt_model_file_is_reported_and_current_model_kept(engine, tmp
         app.screen.query_one("#model-path").value = str(bad)
         app.screen.query_one("#model-path").focus()
         await pilot.press("enter")
-        await wait_until(pilot, lambda: any("Could not load" in n.message for n in app._notifications), 30,
+        await wait_until(pilot, lambda: any("Could not load" in n.message for n in app._notifications), 90,
                          "the error notification")
         note = next(n for n in app._notifications if "Could not load" in n.message)
         assert note.severity == "error" and "broken.gguf" in note.message and "keeping gemma-3-270m" in note.message
