@@ -1,0 +1,92 @@
+"""kvchat's own CPU engine behind the Backend interface: models/ decoders over kernels.cpu (numba),
+with the paged KV cache of core.kv_cache and prefix reuse by block hash."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from core.backend import Backend
+from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from core.tokenizer import Tokenizer
+from models.errors import BadInputError
+from models.gguf_file import GGUFFile
+from models.transformer import load_model
+
+Progress = Callable[[str, int, int], None]
+
+
+def _stderr_progress(what: str, done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{what} {done}/{total}{end}")
+        sys.stderr.flush()
+
+
+class NativeBackend(Backend):
+    name = "native"
+
+    def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None):
+        super().__init__(tokenizer, n_ctx)
+        import numba
+
+        threads = threads or os.cpu_count() or 1
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self._threads = threads
+        self.progress = progress or _stderr_progress
+        self.model = load_model(gguf, self.progress)
+        cfg = self.model.cfg
+        if cfg.n_vocab != tokenizer.n_vocab:
+            raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")
+        self.cache = PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, block_size)
+        self.seq = self.cache.new_sequence()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run one decode step so numba loads (or, on the very first start, compiles) its kernels
+        now rather than inside the user's first token; reports progress while it does."""
+        t0 = time.perf_counter()
+        self.progress("preparing kernels", 0, 1)
+        self._forward([self.tokenizer.bos_id or 0])
+        self.seq.release()
+        self.progress("preparing kernels", 1, 1)
+        self.warmup_s = time.perf_counter() - t0
+
+    def _set_torch_threads(self) -> None:
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(self._threads)
+
+    def _reuse_prefix(self, ids: Sequence[int]) -> int:
+        return self.seq.reuse_prefix(ids, len(ids) - 1)
+
+    def _forward(self, ids: Sequence[int]) -> np.ndarray:
+        ids = list(ids)
+        start = self.seq.n_tokens
+        self.seq.append_slots(len(ids))
+        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq)
+        self.seq.commit(ids)
+        self._set_torch_threads()
+        return logits
+
+    def logits_all(self, ids: Sequence[int], chunk: int = 512) -> np.ndarray:
+        """Logits at every position of `ids` from an empty cache: (T, n_vocab). Tests compare it."""
+        self.seq.release()
+        out = []
+        for s in range(0, len(ids), chunk):
+            part = list(ids[s:s + chunk])
+            self.seq.append_slots(len(part))
+            out.append(self.model.forward(np.asarray(part, np.int64), s, self.seq, all_logits=True))
+            self.seq.commit(part)
+        return np.concatenate(out)
+
+    def kv_block_map(self) -> list[str]:
+        return self.cache.block_states()
+
+    def close(self) -> None:
+        self.seq.release()
+        self.model = None
+        self.cache = None

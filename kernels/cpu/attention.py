@@ -1,0 +1,335 @@
+"""Tiled (flash) attention over a paged KV cache, numba.
+
+Cache per layer: k_cache, v_cache (n_blocks, block_size, n_kv_heads, head_dim) float32; a
+sequence's block_table maps logical block i (positions i*bs .. i*bs+bs-1) to a physical
+block. Key j is visible to the query at position p iff j <= p and, with window > 0,
+p - j < window (llama.cpp's is_masked_swa masks p - j >= n_swa).
+
+Both kernels process all query heads of one GQA group together so each K/V row is loaded
+once per group, and keep an online softmax per query row (running max m, running sum l,
+rescaled accumulator) so no (T x N) score matrix is ever formed.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from kernels.cpu.ops import PAR_MIN, pick, serial_twin, vexp
+
+FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf marks masked scores
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _write_kv(k_cache, v_cache, block_table, start_pos, k, v):
+    bs = k_cache.shape[1]
+    for t in prange(k.shape[0]):
+        p = start_pos + t
+        blk = block_table[p // bs]
+        k_cache[blk, p % bs, :, :] = k[t]
+        v_cache[blk, p % bs, :, :] = v[t]
+
+
+_write_kv_serial = serial_twin(_write_kv)
+
+
+def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
+    """Store k, v (T, Hkv, hd) at positions start_pos .. start_pos+T-1 of the sequence."""
+    T = k.shape[0]
+    bs = k_cache.shape[1]
+    if T == 0:
+        return
+    if (start_pos + T - 1) // bs >= len(block_table):
+        raise ValueError(f"positions up to {start_pos + T - 1} need more than {len(block_table)} blocks")
+    kernel = pick(_write_kv, _write_kv_serial, k.size)
+    kernel(k_cache, v_cache, np.ascontiguousarray(block_table, np.int32), int(start_pos),
+           np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
+
+
+@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
+def _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, n_keys_lo, n_keys_hi,
+                 m, l, acct, st, alpha):
+    """Prefill: online-softmax update of R query rows over keys [n_keys_lo, n_keys_hi).
+
+    Everything is laid out with the R rows (16 positions x the GQA group) as the contiguous,
+    vectorized dimension: qt (hd, R) holds the scaled queries, st (bs, R) the scores of one
+    cache block, acct (hd, R) the unnormalised output. Scores and P@V are then sums of outer
+    products (one K/V row times all R rows), each loaded K/V row serves the whole tile, and
+    the softmax bookkeeping (mask, max, exp, rescale) is elementwise over R.
+    pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p.
+    """
+    bs = k_cache.shape[1]
+    hd, R = qt.shape
+    j0 = n_keys_lo
+    while j0 < n_keys_hi:
+        blk = block_table[j0 // bs]
+        off0 = j0 % bs
+        j1 = min(n_keys_hi, j0 - off0 + bs)
+        n = j1 - j0
+        for jj in range(n):
+            kr = k_cache[blk, off0 + jj, kvh]
+            srow = st[jj]
+            for i in range(R):
+                srow[i] = 0.0
+            for e in range(0, hd, 4):  # 4 head dims per pass: one srow load/store per 4 FMAs
+                k0, k1, k2, k3 = kr[e], kr[e + 1], kr[e + 2], kr[e + 3]
+                q0, q1, q2, q3 = qt[e], qt[e + 1], qt[e + 2], qt[e + 3]
+                for i in range(R):
+                    srow[i] += (k0 * q0[i] + k1 * q1[i]) + (k2 * q2[i] + k3 * q3[i])
+        # new running max (alpha holds it for now); masked scores become -inf
+        for i in range(R):
+            alpha[i] = m[i]
+        for jj in range(n):
+            j = j0 + jj
+            srow = st[jj]
+            for i in range(R):
+                sv = srow[i] if (j <= pos[i] and j >= lo_pos[i]) else np.float32(-np.inf)
+                srow[i] = sv
+                alpha[i] = max(alpha[i], sv)
+        for i in range(R):
+            m_new = alpha[i]
+            m_ref = m_new if m_new > -np.inf else np.float32(0.0)  # row with nothing visible yet
+            alpha[i] = vexp(m[i] - m_ref) if m[i] > -np.inf else np.float32(0.0)
+            m[i] = m_new
+            l[i] *= alpha[i]
+        for e in range(hd):
+            arow = acct[e]
+            for i in range(R):
+                arow[i] *= alpha[i]
+        for jj in range(n):
+            srow = st[jj]
+            for i in range(R):
+                m_ref = m[i] if m[i] > -np.inf else np.float32(0.0)
+                pv = vexp(srow[i] - m_ref) if srow[i] > -np.inf else np.float32(0.0)
+                srow[i] = pv
+                l[i] += pv
+        jj = 0
+        while jj + 4 <= n:  # 4 keys per pass: one acct row load/store per 4 FMAs
+            v0 = v_cache[blk, off0 + jj, kvh]
+            v1 = v_cache[blk, off0 + jj + 1, kvh]
+            v2 = v_cache[blk, off0 + jj + 2, kvh]
+            v3 = v_cache[blk, off0 + jj + 3, kvh]
+            p0, p1, p2, p3 = st[jj], st[jj + 1], st[jj + 2], st[jj + 3]
+            for e in range(hd):
+                a0, a1, a2, a3 = v0[e], v1[e], v2[e], v3[e]
+                arow = acct[e]
+                for i in range(R):
+                    arow[i] += (p0[i] * a0 + p1[i] * a1) + (p2[i] * a2 + p3[i] * a3)
+            jj += 4
+        while jj < n:
+            vr = v_cache[blk, off0 + jj, kvh]
+            srow = st[jj]
+            for e in range(hd):
+                ve = vr[e]
+                arow = acct[e]
+                for i in range(R):
+                    arow[i] += srow[i] * ve
+            jj += 1
+        j0 = j1
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, out):
+    T, Hq, hd = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    n_tiles = (T + q_tile - 1) // q_tile
+    for w in prange(Hkv * n_tiles):
+        kvh = w // n_tiles
+        t0 = (w % n_tiles) * q_tile
+        t1 = min(T, t0 + q_tile)
+        R = (t1 - t0) * G
+        qt = np.empty((hd, R), np.float32)  # column i = (t - t0) * G + g
+        pos = np.empty(R, np.int64)
+        lo_pos = np.empty(R, np.int64)
+        for t in range(t0, t1):
+            for g in range(G):
+                i = (t - t0) * G + g
+                for e in range(hd):
+                    qt[e, i] = q[t, kvh * G + g, e] * scale
+                pos[i] = q_start + t
+                lo_pos[i] = max(0, q_start + t - window + 1) if window > 0 else 0
+        m = np.full(R, -np.inf, np.float32)
+        l = np.zeros(R, np.float32)
+        acct = np.zeros((hd, R), np.float32)
+        st = np.empty((k_cache.shape[1], R), np.float32)
+        alpha = np.empty(R, np.float32)
+        _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, lo_pos[0], q_start + t1,
+                     m, l, acct, st, alpha)
+        for t in range(t0, t1):
+            for g in range(G):
+                i = (t - t0) * G + g
+                inv = np.float32(1.0) / l[i]
+                for e in range(hd):
+                    out[t, kvh * G + g, e] = acct[e, i] * inv
+
+
+_prefill_serial = serial_twin(_prefill)
+
+
+def _check_cache(q, k_cache, v_cache, block_table, n_pos):
+    if k_cache.dtype != np.float32 or v_cache.dtype != np.float32:
+        raise TypeError(f"KV cache must be float32, got {k_cache.dtype} / {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
+        raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} must match (n_blocks, bs, Hkv, hd)")
+    Hq, hd = q.shape[-2], q.shape[-1]
+    if hd != k_cache.shape[3] or Hq % k_cache.shape[2]:
+        raise ValueError(f"q heads/dim {q.shape[-2:]} incompatible with cache {k_cache.shape}")
+    if n_pos > 0 and (n_pos - 1) // k_cache.shape[1] >= len(block_table):
+        raise ValueError(f"{n_pos} positions need more than {len(block_table)} blocks")
+
+
+def _choose_q_tile(T: int, n_q_heads: int, n_kv_heads: int) -> int:
+    """Query positions per work item: aim for ~128-256 tile rows (positions x GQA group) so the
+    row-vectorized loops are long, but keep >= 2 work items per thread when T allows."""
+    group = n_q_heads // n_kv_heads
+    tile = max(8, min(64, 256 // group))
+    while tile > 8 and n_kv_heads * -(-T // tile) < 2 * numba.get_num_threads():
+        tile //= 2
+    return tile
+
+
+def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: float, window: int = 0,
+                      q_tile: int = 0):
+    """q (T, Hq, hd) at positions q_start.. over keys 0..q_start+T-1 already in the cache -> (T, Hq, hd)."""
+    q = np.ascontiguousarray(q, np.float32)
+    _check_cache(q, k_cache, v_cache, block_table, q_start + q.shape[0])
+    out = np.empty_like(q)
+    if q_tile <= 0:
+        q_tile = _choose_q_tile(q.shape[0], q.shape[1], k_cache.shape[2])
+    if q.shape[0]:
+        work = q.shape[0] * (q_start + q.shape[0]) * q.shape[1] * q.shape[2] // 16  # ~ MACs / 16
+        kernel = pick(_prefill, _prefill_serial, work)
+        kernel(q, k_cache, v_cache, np.ascontiguousarray(block_table, np.int32), int(q_start),
+               np.float32(scale), int(window), int(q_tile), out)
+    return out
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_part, m_part, l_part):
+    """Split-KV decode: work item (kv head, split) attends the group's G query heads over keys
+    [lo + split*chunk, ...) and leaves unnormalised (out, max, sumexp) for the merge. Scores
+    are dots over head_dim held as (G, bs) rows so the softmax is vectorized over keys."""
+    Hq, hd = q.shape
+    bs = k_cache.shape[1]
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    n_splits = m_part.shape[1]
+    for w in prange(Hkv * n_splits):
+        kvh = w // n_splits
+        sp = w % n_splits
+        qg = np.empty((G, hd), np.float32)
+        for g in range(G):
+            for e in range(hd):
+                qg[g, e] = q[kvh * G + g, e] * scale
+        m = np.full(G, -np.inf, np.float32)
+        l = np.zeros(G, np.float32)
+        acc = np.zeros((G, hd), np.float32)
+        s = np.empty((G, bs), np.float32)
+        j0 = lo + sp * chunk
+        j_end = min(hi, j0 + chunk)
+        while j0 < j_end:
+            blk = block_table[j0 // bs]
+            off0 = j0 % bs
+            j1 = min(j_end, j0 - off0 + bs)
+            n = j1 - j0
+            for jj in range(n):
+                kr = k_cache[blk, off0 + jj, kvh]
+                for g in range(G):
+                    qr = qg[g]
+                    dot = np.float32(0.0)
+                    for e in range(hd):
+                        dot += qr[e] * kr[e]
+                    s[g, jj] = dot
+            for g in range(G):
+                sg = s[g]
+                mx = m[g]
+                for jj in range(n):
+                    mx = max(mx, sg[jj])
+                alpha = vexp(m[g] - mx)  # m = -inf on the first block: ~0
+                lsum = l[g] * alpha
+                for jj in range(n):
+                    pv = vexp(sg[jj] - mx)
+                    sg[jj] = pv
+                    lsum += pv
+                l[g] = lsum
+                m[g] = mx
+                a = acc[g]
+                for e in range(hd):
+                    a[e] *= alpha
+            for jj in range(n):
+                vr = v_cache[blk, off0 + jj, kvh]
+                for g in range(G):
+                    pv = s[g, jj]
+                    a = acc[g]
+                    for e in range(hd):
+                        a[e] += pv * vr[e]
+            j0 = j1
+        for g in range(G):
+            m_part[kvh * G + g, sp] = m[g]
+            l_part[kvh * G + g, sp] = l[g]
+            o_part[kvh * G + g, sp, :] = acc[g, :]
+
+
+@njit(fastmath=FAST, cache=True, error_model="numpy")
+def _merge_splits(o_part, m_part, l_part, out):
+    """Log-sum-exp merge of partial (unnormalised out, max, sumexp) per head."""
+    Hq, S, hd = o_part.shape
+    for h in range(Hq):
+        mx = np.float32(-np.inf)
+        for s in range(S):
+            mx = max(mx, m_part[h, s])
+        tot = np.float32(0.0)
+        for e in range(hd):
+            out[h, e] = 0.0
+        for s in range(S):
+            if m_part[h, s] == -np.inf:
+                continue
+            c = np.exp(m_part[h, s] - mx)
+            tot += c * l_part[h, s]
+            for e in range(hd):
+                out[h, e] += c * o_part[h, s, e]
+        inv = np.float32(1.0) / tot
+        for e in range(hd):
+            out[h, e] *= inv
+
+
+_decode_partial_serial = serial_twin(_decode_partial)
+
+
+def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:
+    threads = numba.get_num_threads()
+    want = max(1, -(-2 * threads // n_kv_heads))  # ~2 work items per thread
+    most = max(1, n_keys // max(64, block_size))  # keep >= 64 keys per split
+    return min(want, most)
+
+
+def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, window: int = 0,
+                     n_splits: int = 0):
+    """One query q (Hq, hd) at position n_kv-1 over cached keys [0, n_kv) -> (Hq, hd). Flash-decoding."""
+    q = np.ascontiguousarray(q, np.float32)
+    _check_cache(q, k_cache, v_cache, block_table, n_kv)
+    if n_kv <= 0:
+        raise ValueError("attention_decode needs at least one cached key")
+    lo = max(0, n_kv - window) if window > 0 else 0
+    n_keys = n_kv - lo
+    bs = k_cache.shape[1]
+    Hq, hd = q.shape
+    kv_elems = n_keys * k_cache.shape[2] * hd  # K (and as many V) floats to read
+    parallel = kv_elems >= PAR_MIN
+    if n_splits <= 0:
+        n_splits = _choose_splits(n_keys, k_cache.shape[2], bs) if parallel else 1
+    n_splits = max(1, min(int(n_splits), n_keys))
+    chunk = -(-n_keys // n_splits)
+    if n_splits > 1 and chunk > bs:
+        chunk = -(-chunk // bs) * bs  # whole cache blocks per split
+        n_splits = -(-n_keys // chunk)
+    o_part = np.empty((Hq, n_splits, hd), np.float32)
+    m_part = np.empty((Hq, n_splits), np.float32)
+    l_part = np.empty((Hq, n_splits), np.float32)
+    kernel = _decode_partial if parallel else _decode_partial_serial
+    kernel(q, k_cache, v_cache, np.ascontiguousarray(block_table, np.int32), lo, n_kv, chunk,
+           np.float32(scale), o_part, m_part, l_part)
+    out = np.empty((Hq, hd), np.float32)
+    _merge_splits(o_part, m_part, l_part, out)
+    return out

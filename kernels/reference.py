@@ -1,0 +1,119 @@
+"""Plain numpy references for the kernels: slow, simple, obviously correct. Tests only."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def dequantize_ref(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
+    """gguf-py's dequantizer, the spec for every block layout -> float32 (n_rows, n_cols)."""
+    import gguf
+
+    data = np.ascontiguousarray(raw).view(np.uint8)
+    out = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(ggml_type))
+    return np.asarray(out, dtype=np.float32).reshape(-1, n_cols)
+
+
+def matmul_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y = x @ W.T in float64; w (N, K), x (K,) or (M, K)."""
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+
+def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None) -> np.ndarray:
+    """ggml_rope (freq_scale 1, no YaRN). x (T, H, hd). Dims >= n_rot pass through."""
+    T, H, hd = x.shape
+    n_rot = hd if n_rot is None else n_rot
+    out = x.astype(np.float64).copy()
+    for t in range(T):
+        for i in range(n_rot // 2):
+            ang = positions[t] * theta ** (-2.0 * i / n_rot)
+            c, s = np.cos(ang), np.sin(ang)
+            a, b = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
+            x0, x1 = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)
+            out[t, :, a] = x0 * c - x1 * s
+            out[t, :, b] = x0 * s + x1 * c
+    return out.astype(np.float32)
+
+
+def silu_ref(x):
+    x = np.asarray(x, np.float64)
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh_ref(x):
+    x = np.asarray(x, np.float64)
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def swiglu_ref(gate, up):
+    return (silu_ref(gate) * up).astype(np.float32)
+
+
+def geglu_tanh_ref(gate, up):
+    return (gelu_tanh_ref(gate) * up).astype(np.float32)
+
+
+def softmax_ref(x, axis=-1):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return (e / e.sum(axis=axis, keepdims=True)).astype(np.float32)
+
+
+def gather_kv_ref(cache: np.ndarray, block_table: np.ndarray, n: int) -> np.ndarray:
+    """Paged cache (n_blocks, bs, Hkv, hd) -> contiguous first n tokens (n, Hkv, hd)."""
+    bs = cache.shape[1]
+    return np.stack([cache[block_table[p // bs], p % bs] for p in range(n)]) if n else cache[:0, 0]
+
+
+def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.ndarray:
+    """Causal (optionally sliding-window) GQA attention by explicit softmax, in float64.
+
+    q (T, Hq, hd) at positions q_start.., k/v (N, Hkv, hd) at positions 0..N-1.
+    Key j is visible to the query at position p iff j <= p and (window == 0 or p - j < window),
+    which is llama.cpp's is_masked_swa (masked when p - j >= n_swa).
+    """
+    T, Hq, hd = q.shape
+    N, Hkv, _ = k.shape
+    group = Hq // Hkv
+    p = q_start + np.arange(T)[:, None]
+    j = np.arange(N)[None, :]
+    visible = j <= p
+    if window > 0:
+        visible &= (p - j) < window
+    out = np.empty((T, Hq, hd), np.float64)
+    for h in range(Hq):
+        kh, vh = k[:, h // group].astype(np.float64), v[:, h // group].astype(np.float64)
+        s = q[:, h].astype(np.float64) @ kh.T * scale
+        s = np.where(visible, s, -np.inf)
+        s = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[:, h] = (s / s.sum(axis=-1, keepdims=True)) @ vh
+    return out.astype(np.float32)
+
+
+_K_QUANT_F16_FIELDS = {12: (0, 4), 13: (0, 4), 14: (208, 210)}  # Q4_K d+dmin, Q5_K d+dmin, Q6_K d
+
+
+def random_quantized(ggml_type: int, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid GGUF blocks (n_rows, row_bytes) uint8 for tests.
+
+    Types gguf-py can quantize are quantized from N(0, 1) data; for the K-quants (gguf-py has
+    no quantizer) the blocks are random bytes with the f16 scale fields overwritten by sane
+    finite values, which exercises every bit of the quant and 6-bit scale fields.
+    """
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(ggml_type)
+    blk, size = gguf.GGML_QUANT_SIZES[qtype]
+    if ggml_type in _K_QUANT_F16_FIELDS:
+        raw = rng.integers(0, 256, size=(n_rows, n_cols // blk, size), dtype=np.uint8)
+        a, b = _K_QUANT_F16_FIELDS[ggml_type]
+        scales = rng.uniform(1e-3, 2e-2, size=(n_rows, n_cols // blk, (b - a) // 2)).astype(np.float16)
+        raw[..., a:b] = scales.view(np.uint8).reshape(n_rows, n_cols // blk, b - a)
+        return raw.reshape(n_rows, -1)
+    data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    q = gguf.quants.quantize(data, qtype)
+    return np.ascontiguousarray(q).view(np.uint8).reshape(n_rows, -1)

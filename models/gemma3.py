@@ -1,0 +1,41 @@
+"""Gemma 3, following llama.cpp's llm_build_gemma3 (the truth for every quirk):
+
+- embeddings scaled by sqrt(n_embd);
+- RMSNorm weights are used as stored: the GGUF converter already wrote (1 + w);
+- per-head RMSNorm of Q and K before rope, norms after attention and after the MLP;
+- GeGLU (tanh gelu) MLP; neox rope;
+- sliding-window attention on 5 of every 6 layers (hparams.set_swa_pattern(6): layer il is local
+  iff il % 6 < 5), window `gemma3.attention.sliding_window`; local layers use rope base 10000
+  (rope_freq_base_train_swa), global ones `gemma3.rope.freq_base`;
+- attention scale 1/sqrt(key_length) (query_pre_attn_scalar = head_dim), except the 27B
+  (62 layers) which uses 1/sqrt(n_embd / n_head);
+- output tied to token_embd when the GGUF has no output.weight.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models.gguf_file import GGUFFile
+from models.transformer import Decoder, DecoderConfig
+
+SWA_PATTERN = 6
+ROPE_BASE_LOCAL = 10000.0
+
+
+@dataclass(frozen=True)
+class Gemma3Config(DecoderConfig):
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> "Gemma3Config":
+        c = cls.common_from_gguf(g)
+        pre_attn = c["n_embd"] / c["n_head"] if c["n_layer"] == 62 else c["head_dim"]
+        return cls(**c, rope_neox=True, qk_norm=True, post_norms=True, activation="geglu_tanh",
+                   embed_scale=math.sqrt(c["n_embd"]), attn_scale=1.0 / math.sqrt(pre_attn),
+                   sliding_window=int(g.arch_get("attention.sliding_window") or 0),
+                   swa_pattern=SWA_PATTERN,
+                   rope_base_local=float(g.arch_get("rope.freq_base_swa") or ROPE_BASE_LOCAL))
+
+
+class Gemma3(Decoder):
+    def __init__(self, g: GGUFFile, progress=None):
+        super().__init__(Gemma3Config.from_gguf(g), g, progress)

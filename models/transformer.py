@@ -1,0 +1,253 @@
+"""The decoder shared by llama, qwen2 and gemma3: weights loader, config base, block, model.
+
+Each architecture file (llama.py, qwen2.py, gemma3.py) fills a frozen `DecoderConfig` from its
+GGUF metadata; the differences between them are data in that config (biases, rope style, Q/K
+norms, post-norms, activation, embedding scale, per-layer window and rope base), so one forward
+pass serves all three. All arithmetic goes through kernels.cpu; nothing here imports numba.
+
+Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from kernels.cpu import QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, swiglu, write_kv
+from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
+from models.errors import BadInputError
+from models.gguf_file import GGUFFile
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx_train: int
+    norm_eps: float
+    rope_base: float
+    n_rot: int
+    rope_neox: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: str = "swiglu"            # swiglu | geglu_tanh
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0               # 0 -> 1/sqrt(head_dim)
+    sliding_window: int = 0
+    swa_pattern: int = 0                  # every swa_pattern-th layer is global, the rest local; 0 = none
+    rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
+    # derived in __post_init__
+    layer_window: tuple[int, ...] = field(default=(), init=False)
+    layer_rope_base: tuple[float, ...] = field(default=(), init=False)
+
+    def __post_init__(self):
+        if self.n_head % self.n_head_kv:
+            raise BadInputError(f"{self.n_head} query heads do not split into {self.n_head_kv} kv groups")
+        if self.attn_scale == 0.0:
+            object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
+        local = [self.swa_pattern > 0 and self.sliding_window > 0 and il % self.swa_pattern < self.swa_pattern - 1
+                 for il in range(self.n_layer)]
+        object.__setattr__(self, "layer_window", tuple(self.sliding_window if loc else 0 for loc in local))
+        base_local = self.rope_base_local or self.rope_base
+        object.__setattr__(self, "layer_rope_base", tuple(base_local if loc else self.rope_base for loc in local))
+
+    @staticmethod
+    def common_from_gguf(g: GGUFFile) -> dict:
+        """The metadata keys every supported architecture shares."""
+        def need(key):
+            value = g.arch_get(key)
+            if value is None:
+                raise BadInputError(f"{g.path.name} lacks {g.arch}.{key}")
+            return value
+        n_embd, n_head = int(need("embedding_length")), int(need("attention.head_count"))
+        head_dim = int(g.arch_get("attention.key_length") or n_embd // n_head)
+        if "token_embd.weight" not in g.tensors:
+            raise BadInputError(f"{g.path.name} has no token_embd.weight")
+        n_vocab = int(g.tensors["token_embd.weight"].shape[1])  # reading the vocab list costs 0.5 s
+        return dict(
+            n_vocab=n_vocab, n_embd=n_embd, n_layer=int(need("block_count")), n_head=n_head,
+            n_head_kv=int(g.arch_get("attention.head_count_kv") or n_head), head_dim=head_dim,
+            n_ff=int(need("feed_forward_length")), n_ctx_train=int(g.arch_get("context_length") or 4096),
+            norm_eps=float(g.arch_get("attention.layer_norm_rms_epsilon") or 1e-6),
+            rope_base=float(g.arch_get("rope.freq_base") or 10000.0),
+            n_rot=int(g.arch_get("rope.dimension_count") or head_dim),
+        )
+
+
+class Weights:
+    """Tensors of a memory-mapped GGUF by name: matrices as QMatrix (kept quantized), vectors as float32."""
+
+    def __init__(self, g: GGUFFile):
+        self.g = g
+        self._data = {t.name: t.data for t in g.reader.tensors}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.g.tensors
+
+    def matrix(self, name: str) -> QMatrix:
+        info = self.g.tensors.get(name)
+        if info is None:
+            raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
+        k, n = info.shape[0], int(np.prod(info.shape[1:]))  # ggml (K, N): W has N rows of K
+        return QMatrix(self._data[name], info.ggml_type, n, k)
+
+    def vector(self, name: str) -> np.ndarray:
+        if name not in self.g.tensors:
+            raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
+        return np.array(self._data[name], dtype=np.float32).reshape(-1)
+
+    def maybe_vector(self, name: str) -> np.ndarray | None:
+        return self.vector(name) if name in self else None
+
+
+class KVView(Protocol):
+    """What forward needs of a sequence's paged cache (core.kv_cache.Sequence provides it)."""
+    k_cache: Sequence[np.ndarray]     # per layer (n_blocks, block_size, Hkv, hd) float32
+    v_cache: Sequence[np.ndarray]
+    block_table: np.ndarray           # int32, logical block -> physical block
+
+
+def _mm(w: QMatrix, x: np.ndarray, llama_rounding: bool) -> np.ndarray:
+    """x (T, K) -> (T, N). One token reads W once (gemv); a batch dequantizes W tile by tile (gemm).
+    With llama_rounding the activation is first rounded the way llama.cpp's matmul rounds it
+    (kernels.cpu.activations), so greedy output tracks llama.cpp's token for token."""
+    if llama_rounding:
+        x = round_like_llama_cpp(x, w.ggml_type)
+    if x.shape[0] == 1:
+        return w.gemv(x[0])[None, :]
+    return w.gemm(x)
+
+
+class Block:
+    """One pre-norm decoder layer (with gemma3's extra post-norms when the config asks)."""
+
+    def __init__(self, cfg: DecoderConfig, w: Weights, il: int):
+        p = f"blk.{il}."
+        self.cfg, self.il = cfg, il
+        self.window, self.rope_base = cfg.layer_window[il], cfg.layer_rope_base[il]
+        self.attn_norm = w.vector(p + "attn_norm.weight")
+        self.wq, self.wk, self.wv = (w.matrix(p + f"attn_{n}.weight") for n in "qkv")
+        self.wo = w.matrix(p + "attn_output.weight")
+        self.bq, self.bk, self.bv = (w.maybe_vector(p + f"attn_{n}.bias") for n in "qkv")
+        self.q_norm = w.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = w.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
+        self.post_attn_norm = w.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
+        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.w_gate, self.w_up, self.w_down = (w.matrix(p + f"ffn_{n}.weight") for n in ("gate", "up", "down"))
+        self.post_ffn_norm = w.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
+        self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
+        self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
+
+    def mm(self, w: QMatrix, x: np.ndarray) -> np.ndarray:
+        return _mm(w, x, self.llama_rounding)
+
+    def attention(self, x: np.ndarray, positions: np.ndarray, start_pos: int, kv: KVView) -> np.ndarray:
+        cfg = self.cfg
+        T, hd = x.shape[0], cfg.head_dim
+        h = rms_norm(x, self.attn_norm, cfg.norm_eps)                      # (T, D)
+        q, k, v = self.mm(self.wq, h), self.mm(self.wk, h), self.mm(self.wv, h)  # (T, Hq*hd), (T, Hkv*hd) x2
+        if self.bq is not None:
+            q += self.bq
+            k += self.bk
+            v += self.bv
+        q = q.reshape(T, cfg.n_head, hd)
+        k = k.reshape(T, cfg.n_head_kv, hd)
+        v = v.reshape(T, cfg.n_head_kv, hd)
+        if self.q_norm is not None:  # per-head RMSNorm over hd
+            q = rms_norm(q.reshape(-1, hd), self.q_norm, cfg.norm_eps).reshape(T, cfg.n_head, hd)
+            k = rms_norm(k.reshape(-1, hd), self.k_norm, cfg.norm_eps).reshape(T, cfg.n_head_kv, hd)
+        q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hq, hd)
+        k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hkv, hd)
+        kc, vc = kv.k_cache[self.il], kv.v_cache[self.il]
+        if self.llama_rounding:  # llama.cpp keeps K and V in f16 and multiplies K by an f16 copy of Q
+            q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
+        write_kv(kc, vc, kv.block_table, start_pos, k, v)
+        if T == 1:
+            o = attention_decode(q[0], kc, vc, kv.block_table, start_pos + 1, cfg.attn_scale, self.window)[None]
+        else:
+            o = attention_prefill(q, kc, vc, kv.block_table, start_pos, cfg.attn_scale, self.window)
+        o = self.mm(self.wo, o.reshape(T, cfg.n_head * hd))               # (T, D)
+        if self.post_attn_norm is not None:
+            o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
+        return o
+
+    def ffn(self, x: np.ndarray) -> np.ndarray:
+        h = rms_norm(x, self.ffn_norm, self.cfg.norm_eps)                  # (T, D)
+        a = self.act(self.mm(self.w_gate, h), self.mm(self.w_up, h))      # (T, n_ff)
+        o = self.mm(self.w_down, a)                                       # (T, D)
+        if self.post_ffn_norm is not None:
+            o = rms_norm(o, self.post_ffn_norm, self.cfg.norm_eps)
+        return o
+
+    def __call__(self, x, positions, start_pos, kv):
+        x = x + self.attention(x, positions, start_pos, kv)
+        return x + self.ffn(x)
+
+
+class Decoder:
+    """Token embedding -> n_layer Blocks -> final norm -> output projection (tied to the embedding if absent)."""
+
+    def __init__(self, cfg: DecoderConfig, g: GGUFFile, progress=None):
+        self.cfg = cfg
+        w = Weights(g)
+        self.tok_embd = w.matrix("token_embd.weight")
+        self.blocks = []
+        for il in range(cfg.n_layer):
+            self.blocks.append(Block(cfg, w, il))
+            if progress:
+                progress("loading weights", il + 1, cfg.n_layer)
+        self.output_norm = w.vector("output_norm.weight")
+        self.output = w.matrix("output.weight") if "output.weight" in w else self.tok_embd
+        self.nbytes = sum(m.nbytes for m in self._matrices())
+        self.llama_rounding = True
+
+    def set_llama_rounding(self, on: bool) -> None:
+        """True: round activations like llama.cpp (the default); False: exact float32 activations."""
+        self.llama_rounding = on
+        for block in self.blocks:
+            block.llama_rounding = on
+
+    def _matrices(self):
+        yield self.tok_embd
+        if self.output is not self.tok_embd:
+            yield self.output
+        for b in self.blocks:
+            yield from (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down)
+
+    def forward(self, tokens: np.ndarray, start_pos: int, kv: KVView, all_logits: bool = False) -> np.ndarray:
+        """tokens (T,) at positions start_pos.. whose cache slots `kv` already holds ->
+        logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T = tokens.shape[0]
+        positions = np.arange(start_pos, start_pos + T, dtype=np.int64)
+        x = self.tok_embd.rows(tokens)                                    # (T, D)
+        if self.cfg.embed_scale != 1.0:
+            x *= np.float32(self.cfg.embed_scale)
+        for block in self.blocks:
+            x = block(x, positions, start_pos, kv)
+        if not all_logits:
+            x = x[-1:]
+        x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
+        logits = _mm(self.output, x, self.llama_rounding)                 # (T or 1, n_vocab)
+        return logits if all_logits else logits[0]
+
+
+def load_model(g: GGUFFile, progress=None) -> Decoder:
+    """The Decoder for `g.arch` (llama, qwen2, gemma3)."""
+    if g.arch == "llama":
+        from models.llama import LlamaConfig as Config
+    elif g.arch == "qwen2":
+        from models.qwen2 import Qwen2Config as Config
+    elif g.arch == "gemma3":
+        from models.gemma3 import Gemma3Config as Config
+    else:
+        raise BadInputError(f"the native engine does not run architecture '{g.arch}'")
+    return Decoder(Config.from_gguf(g), g, progress)

@@ -1,0 +1,145 @@
+"""Tiny random-weight GGUFs (llama, qwen2, gemma3) written with gguf.GGUFWriter, loadable by both
+llama.cpp and the native engine.
+
+Dimensions are the smallest the K-quants allow (every matrix's row length is a multiple of 256).
+The vocabulary is a small SentencePiece one (<unk>, <s>, </s>, the 256 byte pieces llama.cpp
+requires, a few words), so llama.cpp's vocab loader accepts it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from core.tokenizer import Tokenizer
+from models.gguf_file import open_model
+
+N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 256, 4, 2, 64, 512
+WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁code", "▁def", "▁return",
+         "▁и", "▁кот", "▁сидел", "▁print", "▁(", "▁)", "▁:", "▁=", "▁+", "▁1"]
+N_VOCAB = 320
+GEMMA_WINDOW = 8
+ARCH_LAYERS = {"llama": 2, "qwen2": 2, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
+QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+# K-quant f16 scale fields (byte ranges) that must hold finite, small values
+_K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+_K_SCALE = {"Q4_K": (2e-3, 6e-3), "Q5_K": (1e-3, 3e-3), "Q6_K": (1e-3, 4e-3)}
+
+
+def vocab() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + WORDS
+    tokens += [f"▁w{i}" for i in range(N_VOCAB - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return tokens, scores, types
+
+
+def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """(N, K) float32 -> what GGUFWriter.add_tensor takes for that type."""
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        return data.astype(np.float32), t
+    if qtype == "F16":
+        return data.astype(np.float16), t
+    if qtype in _K_F16:  # gguf-py cannot quantize K-types: random valid blocks, sane scales
+        blk, size = gguf.GGML_QUANT_SIZES[t]
+        n, k = data.shape
+        raw = rng.integers(0, 256, size=(n, k // blk, size), dtype=np.uint8)
+        a, b = _K_F16[qtype]
+        lo, hi = _K_SCALE[qtype]
+        scales = rng.uniform(lo, hi, size=(n, k // blk, (b - a) // 2)).astype(np.float16)
+        raw[..., a:b] = scales.view(np.uint8).reshape(n, k // blk, b - a)
+        return raw.reshape(n, -1), t
+    return gguf.quants.quantize(data, t), t
+
+
+def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    n_layer = ARCH_LAYERS[arch]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(N_EMBD)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e4 if arch != "gemma3" else 1e6)
+    w.add_file_type(0)
+    if arch == "gemma3":
+        w.add_key_length(HEAD_DIM)
+        w.add_value_length(HEAD_DIM)
+        w.add_sliding_window(GEMMA_WINDOW)
+    else:
+        w.add_rope_dimension_count(HEAD_DIM)
+    tokens, scores, types = vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(True)
+
+    def mat(name, n, k, std):
+        data, t = quantized(rng.normal(0, std, size=(n, k)).astype(np.float32), qtype, rng)
+        w.add_tensor(name, data, raw_dtype=t)
+
+    def vec(name, n, center=1.0, spread=0.2):
+        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+
+    mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
+    if arch != "gemma3":  # gemma3 ties the output to token_embd
+        mat("output.weight", N_VOCAB, N_EMBD, 0.5)
+    vec("output_norm.weight", N_EMBD)
+    qd, kvd = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", N_EMBD)
+        mat(p + "attn_q.weight", qd, N_EMBD, 0.15)
+        mat(p + "attn_k.weight", kvd, N_EMBD, 0.15)
+        mat(p + "attn_v.weight", kvd, N_EMBD, 0.1)
+        mat(p + "attn_output.weight", N_EMBD, qd, 0.06)
+        if arch == "qwen2":
+            for n, d in (("q", qd), ("k", kvd), ("v", kvd)):
+                vec(p + f"attn_{n}.bias", d, 0.0, 0.3)
+        if arch == "gemma3":
+            vec(p + "attn_q_norm.weight", HEAD_DIM)
+            vec(p + "attn_k_norm.weight", HEAD_DIM)
+            vec(p + "post_attention_norm.weight", N_EMBD)
+            vec(p + "post_ffw_norm.weight", N_EMBD)
+        vec(p + "ffn_norm.weight", N_EMBD)
+        mat(p + "ffn_gate.weight", N_FF, N_EMBD, 0.1)
+        mat(p + "ffn_up.weight", N_FF, N_EMBD, 0.1)
+        mat(p + "ffn_down.weight", N_EMBD, N_FF, 0.05)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    """tiny_model(arch, qtype) -> (GGUFFile, Tokenizer), written once per session."""
+    made = {}
+
+    def make(arch: str, qtype: str):
+        if (arch, qtype) not in made:
+            path = write_tiny_model(tiny_model_dir / f"{arch}-{qtype}.gguf", arch, qtype)
+            g = open_model(path)
+            made[arch, qtype] = (g, Tokenizer.from_gguf(g))
+        return made[arch, qtype]
+
+    return make

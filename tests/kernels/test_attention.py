@@ -1,0 +1,128 @@
+"""Paged flash attention (prefill and split-KV decode) against explicit-softmax attention."""
+import numpy as np
+import pytest
+
+from kernels.cpu.attention import attention_decode, attention_prefill, write_kv
+from kernels.reference import attention_ref, gather_kv_ref
+
+# float32 online softmax vs float64 explicit softmax: outputs are convex combinations of
+# V rows (|v| ~ 1), rescaling adds a few ulps per block, so 2e-5 absolute is ample.
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _cache(n_tokens, hkv, hd, bs, rng, n_spare=3):
+    """A shuffled (non-identity) block table over a pool with spare blocks, filled via write_kv."""
+    n_seq_blocks = -(-n_tokens // bs)
+    n_blocks = n_seq_blocks + n_spare
+    k_cache = np.full((n_blocks, bs, hkv, hd), np.nan, np.float32)  # unwritten slots poison the result
+    v_cache = np.full_like(k_cache, np.nan)
+    table = rng.permutation(n_blocks)[:n_seq_blocks].astype(np.int32)
+    k = rng.standard_normal((n_tokens, hkv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_tokens, hkv, hd)).astype(np.float32)
+    return k_cache, v_cache, table, k, v
+
+
+def test_write_kv_then_gather():
+    rng = np.random.default_rng(0)
+    k_cache, v_cache, table, k, v = _cache(37, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k[:20], v[:20])
+    write_kv(k_cache, v_cache, table, 20, k[20:], v[20:])
+    np.testing.assert_array_equal(gather_kv_ref(k_cache, table, 37), k)
+    np.testing.assert_array_equal(gather_kv_ref(v_cache, table, 37), v)
+
+
+PREFILL_CASES = [
+    # (n_tokens, q_start, hq, hkv, hd, bs, window)
+    (1, 0, 2, 2, 64, 16, 0),
+    (15, 0, 2, 1, 64, 16, 0),
+    (16, 0, 14, 2, 64, 16, 0),
+    (17, 0, 4, 2, 128, 32, 0),
+    (100, 0, 14, 2, 64, 16, 0),
+    (100, 60, 14, 2, 64, 16, 0),
+    (40, 17, 4, 1, 256, 16, 0),
+    (100, 0, 4, 2, 256, 32, 8),
+    (50, 33, 14, 2, 64, 16, 8),
+    (17, 16, 2, 2, 128, 16, 8),
+]
+
+
+@pytest.mark.parametrize("n, q_start, hq, hkv, hd, bs, window", PREFILL_CASES)
+def test_prefill(n, q_start, hq, hkv, hd, bs, window):
+    rng = np.random.default_rng(n * 31 + q_start)
+    k_cache, v_cache, table, k, v = _cache(n, hkv, hd, bs, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = rng.standard_normal((n - q_start, hq, hd)).astype(np.float32)
+    scale = hd ** -0.5
+    got = attention_prefill(q, k_cache, v_cache, table, q_start, scale, window)
+    np.testing.assert_allclose(got, attention_ref(q, k, v, q_start, scale, window), rtol=RTOL, atol=ATOL)
+
+
+DECODE_CASES = [
+    # (n_kv, hq, hkv, hd, bs, window, n_splits)
+    (1, 2, 2, 64, 16, 0, 0),
+    (15, 7, 1, 64, 16, 0, 0),
+    (16, 14, 2, 64, 16, 0, 3),
+    (17, 4, 2, 128, 32, 0, 2),
+    (100, 14, 2, 64, 16, 0, 0),
+    (100, 14, 2, 64, 16, 0, 7),
+    (300, 4, 1, 256, 32, 0, 0),
+    (100, 4, 2, 128, 16, 8, 0),
+    (9, 8, 4, 256, 16, 8, 3),
+    (700, 14, 2, 64, 16, 512, 0),
+]
+
+
+@pytest.mark.parametrize("n_kv, hq, hkv, hd, bs, window, n_splits", DECODE_CASES)
+def test_decode(n_kv, hq, hkv, hd, bs, window, n_splits):
+    rng = np.random.default_rng(n_kv * 7 + hq)
+    k_cache, v_cache, table, k, v = _cache(n_kv, hkv, hd, bs, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = rng.standard_normal((hq, hd)).astype(np.float32)
+    scale = hd ** -0.5
+    got = attention_decode(q, k_cache, v_cache, table, n_kv, scale, window, n_splits)
+    ref = attention_ref(q[None], k, v, n_kv - 1, scale, window)[0]
+    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_decode_equals_last_prefill_row():
+    rng = np.random.default_rng(5)
+    k_cache, v_cache, table, k, v = _cache(45, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = rng.standard_normal((45, 14, 64)).astype(np.float32)
+    pre = attention_prefill(q, k_cache, v_cache, table, 0, 0.125)
+    dec = attention_decode(q[-1], k_cache, v_cache, table, 45, 0.125, n_splits=3)
+    np.testing.assert_allclose(dec, pre[-1], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("q_tile", [1, 8, 64])
+@pytest.mark.parametrize("window", [0, 8])
+def test_prefill_tile_size_does_not_change_result(q_tile, window):
+    rng = np.random.default_rng(q_tile)
+    k_cache, v_cache, table, k, v = _cache(70, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = rng.standard_normal((50, 14, 64)).astype(np.float32)
+    got = attention_prefill(q, k_cache, v_cache, table, 20, 0.125, window, q_tile=q_tile)
+    np.testing.assert_allclose(got, attention_ref(q, k, v, 20, 0.125, window), rtol=RTOL, atol=ATOL)
+
+
+def test_rejects_non_float32_cache():
+    k_cache = np.zeros((2, 16, 1, 64), np.float16)
+    with pytest.raises(TypeError):
+        attention_decode(np.zeros((1, 64), np.float32), k_cache, k_cache, np.arange(2, dtype=np.int32), 3, 0.125)
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["parallel", "serial"])
+def test_parallel_and_serial_kernels(threshold, monkeypatch):
+    from kernels.cpu import attention, ops
+
+    monkeypatch.setattr(ops, "PAR_MIN", threshold)
+    monkeypatch.setattr(attention, "PAR_MIN", threshold)
+    rng = np.random.default_rng(11)
+    k_cache, v_cache, table, k, v = _cache(40, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    np.testing.assert_array_equal(gather_kv_ref(k_cache, table, 40), k)
+    q = rng.standard_normal((25, 4, 64)).astype(np.float32)
+    got = attention_prefill(q, k_cache, v_cache, table, 15, 0.125, 8)
+    np.testing.assert_allclose(got, attention_ref(q, k, v, 15, 0.125, 8), rtol=RTOL, atol=ATOL)
+    dec = attention_decode(q[-1], k_cache, v_cache, table, 40, 0.125)
+    np.testing.assert_allclose(dec, attention_ref(q[-1:], k, v, 39, 0.125)[0], rtol=RTOL, atol=ATOL)

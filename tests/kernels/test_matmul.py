@@ -1,0 +1,146 @@
+"""Quantized gemv/gemm/rows against float64 products of gguf-py's dequantized weights."""
+import numpy as np
+import pytest
+
+from kernels.cpu.matmul import INT8_ACTIVATION_TYPES, QMatrix
+from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES
+from kernels.reference import dequantize_ref, matmul_ref, random_quantized
+
+TYPES = sorted(SUPPORTED_TYPES)
+# gemv sums in float32 with fastmath reassociation, blocked by 16/32 lanes then by block:
+# the rounding error is a few dozen ulps of the largest partial sum, bounded by
+# eps32 * depth * sum|w||x| with depth << 300, so 2e-5 * sum|w||x| is a safe bound.
+GEMV_RTOL = 2e-5
+# gemm rounds x and W to bf16 (2^-9 relative each) and the product to bf16 (2^-9 of |y|),
+# so |error| <= ~3 * 2^-9 * sum|w||x| (~5.9e-3); 8e-3 leaves room for f32 accumulation.
+GEMM_RTOL = 8e-3
+
+
+def _name(t):
+    import gguf
+    return gguf.GGMLQuantizationType(t).name
+
+
+def _k_for(ggml_type, small):
+    """K-quants: 1 or 6 super-blocks. 32-blocks: 5 blocks (one 4-block group plus a tail
+    block, the kernels' two code paths) or 896 (Qwen2.5-0.5B hidden size, 28 blocks)."""
+    blk = GGML_BLOCK[ggml_type][0]
+    if blk == 256:
+        return 256 if small else 1536
+    return 896 if not small else 160
+
+
+def _setup(ggml_type, n_rows, n_cols, seed):
+    rng = np.random.default_rng(seed)
+    raw = random_quantized(ggml_type, n_rows, n_cols, rng)
+    w = dequantize_ref(raw, ggml_type, n_cols)
+    return QMatrix(raw, ggml_type, n_rows, n_cols), w, rng
+
+
+def _q8k_bound(w, x):
+    """Error bound of int8 activations (one scale per 256 = max|x|/127): each x moves by at
+    most half a step, so |error| <= sum over blocks of step/2 * sum|w| in the block."""
+    xb = np.atleast_2d(x).astype(np.float64).reshape(np.atleast_2d(x).shape[0], -1, 256)
+    half_step = np.abs(xb).max(axis=-1) / 127 / 2  # (M, K/256)
+    wb = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 256).sum(axis=-1)  # (N, K/256)
+    return (half_step @ wb.T).reshape(np.shape(x)[:-1] + (w.shape[0],))
+
+
+def _assert_close(got, w, x, rtol, ggml_type=None):
+    ref = matmul_ref(w, x)
+    bound = rtol * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-30
+    if ggml_type in INT8_ACTIVATION_TYPES and rtol == GEMV_RTOL:
+        bound = bound + _q8k_bound(w, x)
+    err = np.abs(got - ref)
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=_name)
+@pytest.mark.parametrize("n_rows, small", [(7, True), (33, False), (151, False)])
+def test_gemv(ggml_type, n_rows, small):
+    n_cols = _k_for(ggml_type, small)
+    qm, w, rng = _setup(ggml_type, n_rows, n_cols, ggml_type * 7 + n_rows)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    got = qm.gemv(x)
+    assert got.shape == (n_rows,) and got.dtype == np.float32
+    _assert_close(got, w, x, GEMV_RTOL, ggml_type)
+
+
+def test_gemv_k4864_q4_k():
+    qm, w, rng = _setup(12, 33, 4864, 1)
+    x = rng.standard_normal(4864).astype(np.float32)
+    _assert_close(qm.gemv(x), w, x, GEMV_RTOL, 12)
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8-x", "float-x"])
+def test_gemv_q4_k_both_activation_paths(int8, monkeypatch):
+    from kernels.cpu import matmul
+
+    monkeypatch.setattr(matmul, "INT8_ACTIVATION_TYPES", frozenset({12}) if int8 else frozenset())
+    qm, w, rng = _setup(12, 33, 1536, 2)
+    x = rng.standard_normal(1536).astype(np.float32)
+    x[5] = 40.0  # an outlier widens its block's int8 step; the bound accounts for it
+    got = qm.gemv(x)
+    ref = matmul_ref(w, x)
+    bound = GEMV_RTOL * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    if int8:
+        bound += _q8k_bound(w, x)
+    assert np.all(np.abs(got - ref) <= bound)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=_name)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_gemm(ggml_type, m):
+    n_cols = _k_for(ggml_type, False)
+    qm, w, rng = _setup(ggml_type, 33, n_cols, ggml_type * 11 + m)
+    x = rng.standard_normal((m, n_cols)).astype(np.float32)
+    got = qm.gemm(x)
+    assert got.shape == (m, 33) and got.dtype == np.float32
+    _assert_close(got, w, x, GEMV_RTOL if m <= QMatrix.GEMV_MAX_M else GEMM_RTOL, ggml_type)
+
+
+def test_gemm_spans_several_tiles():
+    qm, w, rng = _setup(8, 151, 896, 3)
+    qm.TILE_ELEMS = 896 * 32  # 32-row tiles: 5 tiles, the last one partial
+    x = rng.standard_normal((9, 896)).astype(np.float32)
+    _assert_close(qm.gemm(x), w, x, GEMM_RTOL)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=_name)
+def test_rows(ggml_type):
+    n_cols = _k_for(ggml_type, True)
+    qm, w, _ = _setup(ggml_type, 33, n_cols, ggml_type)
+    ids = np.array([5, 0, 32, 5], np.int32)
+    np.testing.assert_array_equal(qm.rows(ids), w[ids])
+
+
+def test_nbytes_is_about_the_gguf_size():
+    qm, _, _ = _setup(12, 64, 1536, 0)
+    gguf_bytes = 64 * 1536 // 256 * 144
+    assert gguf_bytes <= qm.nbytes <= 1.1 * gguf_bytes
+
+
+def test_shape_errors():
+    qm, _, _ = _setup(8, 7, 64, 0)
+    with pytest.raises(ValueError):
+        qm.gemv(np.zeros(63, np.float32))
+    with pytest.raises(ValueError):
+        qm.gemm(np.zeros((2, 63), np.float32))
+    with pytest.raises(ValueError):
+        QMatrix(np.zeros((7, 68), np.uint8), 8, 8, 64)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=_name)
+def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
+    """Small weights run serial twins of the kernels; force each path once per type."""
+    from kernels.cpu import matmul, quant
+
+    n_cols = _k_for(ggml_type, True)
+    qm, w, rng = _setup(ggml_type, 33, n_cols, ggml_type + 5)
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    ids = np.array([3, 32, 0])
+    for threshold in (0, 1 << 62):  # 0: always parallel; huge: always serial
+        monkeypatch.setattr(matmul, "GEMV_PAR_MIN_BYTES", threshold)
+        monkeypatch.setattr(quant, "PAR_MIN", threshold)
+        _assert_close(qm.gemv(x), w, x, GEMV_RTOL, ggml_type)
+        np.testing.assert_array_equal(qm.rows(ids), w[ids])

@@ -1,0 +1,106 @@
+"""Norm, rope and activations against float64 numpy references."""
+import numpy as np
+import pytest
+
+from kernels.cpu.ops import geglu_tanh, rms_norm, rope, softmax, swiglu
+from kernels.reference import geglu_tanh_ref, rms_norm_ref, rope_ref, softmax_ref, swiglu_ref
+
+# float32 kernels vs float64 references: a few ulps per element.
+RTOL, ATOL = 1e-5, 1e-5
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 896), (3, 1152)])
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rms_norm(shape, eps):
+    rng = np.random.default_rng(shape[1])
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[1]).astype(np.float32)
+    np.testing.assert_allclose(rms_norm(x, w, eps), rms_norm_ref(x, w, eps), rtol=RTOL, atol=ATOL)
+
+
+def test_rms_norm_1d():
+    x = np.arange(8, dtype=np.float32)
+    w = np.ones(8, np.float32)
+    np.testing.assert_allclose(rms_norm(x, w, 1e-6), rms_norm_ref(x[None], w, 1e-6)[0], rtol=RTOL)
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+@pytest.mark.parametrize("hd, n_rot", [(64, None), (128, 128), (256, 64), (64, 32)])
+@pytest.mark.parametrize("theta", [10000.0, 1000000.0])
+def test_rope(neox, hd, n_rot, theta):
+    rng = np.random.default_rng(hd)
+    T, H = 9, 3
+    x = rng.standard_normal((T, H, hd)).astype(np.float32)
+    pos = np.array([0, 1, 2, 15, 16, 17, 100, 511, 4000])
+    got = rope(x, pos, theta, neox, n_rot)
+    np.testing.assert_allclose(got, rope_ref(x, pos, theta, neox, n_rot), rtol=RTOL, atol=ATOL)
+    if n_rot is not None and n_rot < hd:
+        np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+
+
+def test_rope_position_zero_is_identity():
+    x = np.random.default_rng(0).standard_normal((1, 2, 64)).astype(np.float32)
+    np.testing.assert_array_equal(rope(x, np.array([0]), 10000.0, True), x)
+
+
+@pytest.mark.parametrize("fn, ref", [(swiglu, swiglu_ref), (geglu_tanh, geglu_tanh_ref)], ids=["swiglu", "geglu_tanh"])
+@pytest.mark.parametrize("shape", [(4864,), (3, 1152), (2, 5, 7)])
+def test_glu(fn, ref, shape):
+    rng = np.random.default_rng(len(shape))
+    g = (rng.standard_normal(shape) * 4).astype(np.float32)
+    u = rng.standard_normal(shape).astype(np.float32)
+    got = fn(g, u)
+    assert got.shape == shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref(g, u), rtol=RTOL, atol=ATOL)
+
+
+def test_glu_extremes_are_finite():
+    g = np.array([-100.0, -20.0, 0.0, 20.0, 100.0], np.float32)
+    u = np.ones_like(g)
+    np.testing.assert_allclose(swiglu(g, u), swiglu_ref(g, u), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(geglu_tanh(g, u), geglu_tanh_ref(g, u), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_softmax(axis):
+    x = np.random.default_rng(1).standard_normal((6, 37)).astype(np.float32) * 10
+    x[2, 5] = -np.inf
+    np.testing.assert_allclose(softmax(x, axis), softmax_ref(x, axis), rtol=RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["parallel", "serial"])
+def test_parallel_and_serial_kernels(threshold, monkeypatch):
+    from kernels.cpu import ops
+
+    monkeypatch.setattr(ops, "PAR_MIN", threshold)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    w = rng.standard_normal(256).astype(np.float32)
+    np.testing.assert_allclose(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), rtol=RTOL, atol=ATOL)
+    r = x.reshape(6, 4, 64)
+    pos = np.arange(6) * 7
+    np.testing.assert_allclose(rope(r, pos, 1e4, True), rope_ref(r, pos, 1e4, True), rtol=RTOL, atol=ATOL)
+    g = (x * 4).reshape(-1)[:5000]  # > one 4096 chunk
+    u = x.reshape(-1)[:5000]
+    np.testing.assert_allclose(swiglu(g, u), swiglu_ref(g, u), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(geglu_tanh(g, u), geglu_tanh_ref(g, u), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(softmax(x), softmax_ref(x), rtol=RTOL, atol=1e-7)
+
+
+def test_vexp_accuracy():
+    from numba import njit
+
+    from kernels.cpu.ops import FAST, vexp
+
+    @njit(fastmath=FAST, error_model="numpy")
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = vexp(x[i])
+
+    x = np.linspace(-87, 88, 100001).astype(np.float32)
+    out = np.empty_like(x)
+    apply(x, out)
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - ref) / ref) < 5e-7  # a few float32 ulps
+    apply(np.array([-np.inf, 0.0], np.float32), out[:2])
+    assert out[0] < 1e-37 and out[1] == 1.0
