@@ -21,13 +21,12 @@ BACKEND_NAMES = ("native", "llama.cpp")
 DEFAULT_CTX = 4096
 
 
+# The backend `run`, `chat` and `bench` use when none is named.
+DEFAULT_BACKEND = "llama.cpp"
+
+
 def default_backend() -> str:
-    """The native engine once it is installed in this tree, llama.cpp until then."""
-    try:
-        import core.native_backend  # noqa: F401
-        return "native"
-    except ImportError:
-        return "llama.cpp"
+    return DEFAULT_BACKEND
 
 
 def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None) -> Backend:
@@ -35,10 +34,7 @@ def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, th
         from core.llamacpp_backend import LlamaCppBackend
         return LlamaCppBackend(gguf, tokenizer, n_ctx, threads)
     if name == "native":
-        try:
-            from core.native_backend import NativeBackend
-        except ImportError:
-            raise BadInputError("the native backend is not available yet; use --backend llama.cpp") from None
+        from core.native_backend import NativeBackend
         return NativeBackend(gguf, tokenizer, n_ctx, threads)
     raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
 

@@ -24,10 +24,7 @@ import numpy as np
 import pytest
 
 from core.llamacpp_backend import LlamaCppBackend
-try:
-    from core.native_backend import NativeBackend
-except ImportError:  # under development
-    from core.native_backend_wip import NativeBackend
+from core.native_backend import NativeBackend
 from kernels.reference import dequantize_ref
 from tests.engine import conftest as fx
 
