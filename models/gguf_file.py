@@ -62,6 +62,25 @@ class _Cursor:
         start = self.take(n)
         return bytes(self.buf[start:start + n]).decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """n length-prefixed strings: the vocabulary and merges, ~300k of them, so a tight loop."""
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack_len = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(n):
+            if pos + 8 > size:
+                raise _Truncated
+            (length,) = unpack_len(buf, pos)
+            pos += 8
+            end = pos + length
+            if end > size:
+                raise _Truncated
+            append(buf[pos:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in SCALAR_FORMATS:
             return self.unpack(SCALAR_FORMATS[vtype])
@@ -75,6 +94,8 @@ class _Cursor:
                 dtype = np.dtype(NUMPY_TYPES[itype])
                 start = self.take(n * dtype.itemsize)
                 return np.frombuffer(self.buf, dtype=dtype, count=n, offset=start).tolist()
+            if itype == STRING:
+                return self.strings(n)
             return [self.value(itype) for _ in range(n)]
         raise BadInputError(f"unknown GGUF metadata type {vtype}")
 
