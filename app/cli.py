@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    run.add_argument("--speculative", choices=("off", "lookup"), default="off",
+                     help="speculative decoding: lookup drafts from n-grams of the prompt and output (native backend)")
+    run.add_argument("--draft-n", type=int, default=3, help="draft tokens per verification pass (default: 3)")
 
     tok = sub.add_parser("tokenize", help="print the token ids and pieces of a text")
     tok.add_argument("-m", "--model", default=None, help="registry name or path to a .gguf")
@@ -163,7 +166,9 @@ def sampling_from_args(args):
 
 
 def cmd_run(args) -> int:
+    from core.backend import SpeculativeConfig
     params = sampling_from_args(args)
+    speculative = SpeculativeConfig(args.speculative, args.draft_n).validate()
     prompt = read_text_arg(args.prompt, "prompt")
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
@@ -180,7 +185,7 @@ def cmd_run(args) -> int:
     pieces, tokens = [], []
     interrupted = False
     try:
-        for event in engine.generate(ids, params, cancel):
+        for event in engine.generate(ids, params, cancel, speculative):
             if event.id >= 0:
                 tokens.append(event.id)
             if event.text:
@@ -197,11 +202,18 @@ def cmd_run(args) -> int:
             "text": "".join(pieces), "tokens": tokens, "finish_reason": backend.finish_reason,
             "timings": backend.timings.as_dict(), "model": engine.model_name, "backend": engine.backend_name,
             "device": engine.device, "truncated": truncated,
+            **({"speculative": {"method": speculative.method, "drafted": backend.stats.spec_drafted,
+                                "accepted": backend.stats.spec_accepted}} if speculative.method != "off" else {}),
         }, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
-    sys.stderr.write(f"[{backend.timings.summary()} | {backend.finish_reason}]\n")
+    spec = ""
+    if speculative.method != "off":
+        drafted, accepted = backend.stats.spec_drafted, backend.stats.spec_accepted
+        spec = f" | speculative {speculative.method}: accepted {accepted}/{drafted} drafts" + \
+            (f" ({100 * accepted / drafted:.0f}%)" if drafted else "")
+    sys.stderr.write(f"[{backend.timings.summary()}{spec} | {backend.finish_reason}]\n")
     if interrupted:
         sys.stderr.write("kvchat: interrupted\n")
         return EXIT_INTERRUPTED
@@ -279,6 +291,7 @@ def cmd_chat(args) -> int:
     args.prompt, args.system, args.no_chat, args.json = "Hello! Introduce yourself in one sentence.", None, False, False
     args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
     args.repeat_penalty, args.seed, args.stop = 1.0, None, []
+    args.speculative, args.draft_n = "off", 3
     return cmd_run(args)
 
 

@@ -92,6 +92,19 @@ class Timings:
                 f" (cached {self.cache_n}) | eval {self.predicted_n} tok, {self.predicted_per_second:.1f} tok/s")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"            # off | lookup
+    draft_n: int = 3               # tokens drafted per verification pass
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in ("off", "lookup"):
+            raise BadInputError(f"unknown speculative method '{self.method}' (off, lookup)")
+        if not 1 <= self.draft_n <= 7:   # 1 + 7 tokens per check stay on the one-token kernels
+            raise BadInputError("--draft-n must be between 1 and 7")
+        return self
+
+
 @dataclass
 class LiveStats:
     """Counters the engine updates as it works; the TUI's X-ray panel reads them (never estimates)."""
@@ -102,6 +115,8 @@ class LiveStats:
     n_past: int = 0                # tokens in the KV cache for the current sequence
     n_ctx: int = 0
     token_latencies_ms: list[float] = field(default_factory=list)
+    spec_drafted: int = 0          # draft tokens proposed / accepted this turn (speculative decoding)
+    spec_accepted: int = 0
 
 
 class Backend(ABC):
@@ -135,10 +150,15 @@ class Backend(ABC):
 
     # --- the shared generation loop --------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+                 cancel: threading.Event | None = None,
+                 speculative: "SpeculativeConfig | None" = None) -> Iterator[TokenEvent]:
         """Yield TokenEvents until an end-of-generation token, a stop string, max_tokens, a full
-        context or `cancel`. Afterwards `self.timings` and `self.finish_reason` describe the run."""
+        context or `cancel`. Afterwards `self.timings` and `self.finish_reason` describe the run.
+        With `speculative`, tokens are drafted and verified several per forward pass; greedy output
+        is unchanged, and sampled output keeps its distribution (standard accept/reject rule)."""
         params.validate()
+        if speculative is not None and speculative.method != "off" and not self.supports_speculative:
+            raise BadInputError(f"speculative decoding needs the native backend (not {self.name})")
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise BadInputError("the prompt is empty")
@@ -151,6 +171,7 @@ class Backend(ABC):
         self.finish_reason = None
         stats = self.stats
         stats.token_latencies_ms = []
+        stats.spec_drafted = stats.spec_accepted = 0
 
         cache_n = self._reuse_prefix(prompt_ids)
         todo = prompt_ids[cache_n:]
@@ -174,8 +195,12 @@ class Backend(ABC):
         stats.phase = "decode"
         t_last = t_prompt_end
         n_out = 0
-        while True:
-            token = sampler.sample(logits)
+        if speculative is not None and speculative.method != "off":
+            from core.speculative import speculative_tokens
+            source = speculative_tokens(self, logits, sampler, prompt_ids, speculative)
+        else:
+            source = self._plain_tokens(logits, sampler)
+        for token in source:
             n_out += 1
             now = time.perf_counter()
             if n_out == 1:
@@ -185,6 +210,7 @@ class Backend(ABC):
             self.timings.predicted_n = n_out
             self.timings.predicted_ms = (now - t_prompt_end) * 1000
             if token in self.tokenizer.eog_ids:
+                source.close()
                 tail = held + detok.flush()
                 if tail:
                     yield TokenEvent(-1, tail, now)
@@ -193,17 +219,34 @@ class Backend(ABC):
             emit, held, hit_stop = split_at_stop(held, params.stop)
             yield TokenEvent(token, emit, now)
             if hit_stop:
+                source.close()
                 return self._finish("stop", t_start, t_prompt_end, cache_n, len(todo))
-            if n_out >= params.max_tokens or stats.n_past + 1 >= self.n_ctx:
+            if n_out >= params.max_tokens or stats.n_past + 1 >= self.n_ctx or cancel.is_set():
                 break
-            if cancel.is_set():
-                break
-            logits = self._forward([token])
-            stats.n_past += 1
+        source.close()
         tail = held + detok.flush()
         if tail:
             yield TokenEvent(-1, tail, time.perf_counter())
         self._finish("cancelled" if cancel.is_set() else "length", t_start, t_prompt_end, cache_n, len(todo))
+
+    def _plain_tokens(self, logits: np.ndarray, sampler: Sampler) -> Iterator[int]:
+        """One forward pass per token: sample, hand the token out, then extend the cache with it."""
+        while True:
+            token = sampler.sample(logits)
+            yield token
+            logits = self._forward([token])
+            self.stats.n_past += 1
+
+    # Speculative decoding needs two more primitives; backends that have them set this True.
+    supports_speculative: ClassVar[bool] = False
+
+    def _forward_all(self, ids: Sequence[int]) -> np.ndarray:
+        """Append `ids` and return the logits at every one of them, (len(ids), n_vocab)."""
+        raise NotImplementedError
+
+    def _rollback(self, n_tokens: int) -> None:
+        """Drop cached tokens past the first n_tokens (rejected draft tokens)."""
+        raise NotImplementedError
 
     def _finish(self, reason: str, t_start: float, t_prompt_end: float | None, cache_n: int,
                 prompt_done: int) -> None:

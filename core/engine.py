@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from core.backend import Backend, SamplingParams, TokenEvent
+from core.backend import Backend, SamplingParams, SpeculativeConfig, TokenEvent
 from core.chat_template import ChatTemplate
 from core.tokenizer import Tokenizer
 from models import registry
@@ -113,8 +113,9 @@ class Engine:
         return ids, truncated
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
-        return self.backend.generate(prompt_ids, params, cancel)
+                 cancel: threading.Event | None = None,
+                 speculative: SpeculativeConfig | None = None) -> Iterator[TokenEvent]:
+        return self.backend.generate(prompt_ids, params, cancel, speculative)
 
     def close(self) -> None:
         self.backend.close()

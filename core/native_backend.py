@@ -72,6 +72,19 @@ class NativeBackend(Backend):
         self._set_torch_threads()
         return logits
 
+    supports_speculative = True
+
+    def _forward_all(self, ids: Sequence[int]) -> np.ndarray:
+        ids = list(ids)
+        start = self.seq.n_tokens
+        self.seq.append_slots(len(ids))
+        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, all_logits=True)
+        self.seq.commit(ids)
+        return logits
+
+    def _rollback(self, n_tokens: int) -> None:
+        self.seq.truncate(n_tokens)
+
     def logits_all(self, ids: Sequence[int], chunk: int = 512) -> np.ndarray:
         """Logits at every position of `ids` from an empty cache: (T, n_vocab). Tests compare it."""
         self.seq.release()

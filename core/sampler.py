@@ -38,6 +38,26 @@ class Sampler:
         self.remember([token])
         return token
 
+    def verify(self, logits: np.ndarray, proposed: int) -> tuple[bool, int]:
+        """Speculative decoding's check of one draft token against the target logits: (accepted,
+        token). Greedy accepts iff the draft is the argmax. Sampled accepts with probability p(draft)
+        and otherwise draws from p without the draft, which leaves the distribution unchanged."""
+        logits = self.apply_penalties(np.asarray(logits, dtype=np.float32))
+        if self.params.temperature <= 0:
+            token = int(np.argmax(logits))
+            self.remember([token])
+            return token == proposed, token
+        ids, probs = self.candidates(logits)
+        p_draft = float(probs[ids == proposed].sum())
+        if self.rng.random() < p_draft:
+            self.remember([proposed])
+            return True, proposed
+        rest = np.where(ids == proposed, 0.0, probs)
+        order = np.argsort(ids)
+        token = int(ids[order][self.rng.choice(len(ids), p=rest[order] / rest.sum())])
+        self.remember([token])
+        return False, token
+
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
         if not self.recent or (p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0):

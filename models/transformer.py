@@ -115,14 +115,19 @@ class KVView(Protocol):
     block_table: np.ndarray           # int32, logical block -> physical block
 
 
+# Batches of at most this many tokens run through the one-token (decode) kernels row by row, so
+# verifying a few speculative tokens gives bit-for-bit the logits plain decoding would.
+SMALL_BATCH = 8
+
+
 def _mm(w: QMatrix, x: np.ndarray, llama_rounding: bool) -> np.ndarray:
     """x (T, K) -> (T, N). One token reads W once (gemv); a batch dequantizes W tile by tile (gemm).
     With llama_rounding the activation is first rounded the way llama.cpp's matmul rounds it
     (kernels.cpu.activations), so greedy output tracks llama.cpp's token for token."""
     if llama_rounding:
         x = round_like_llama_cpp(x, w.ggml_type)
-    if x.shape[0] == 1:
-        return w.gemv(x[0])[None, :]
+    if x.shape[0] <= SMALL_BATCH:
+        return np.stack([w.gemv(row) for row in x])
     return w.gemm(x)
 
 
@@ -170,8 +175,9 @@ class Block:
         if self.llama_rounding:  # llama.cpp keeps K and V in f16 and multiplies K by an f16 copy of Q
             q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
         write_kv(kc, vc, kv.block_table, start_pos, k, v)
-        if T == 1:
-            o = attention_decode(q[0], kc, vc, kv.block_table, start_pos + 1, cfg.attn_scale, self.window)[None]
+        if T <= SMALL_BATCH:  # one-token kernels row by row: a speculative check sees decode's numbers
+            o = np.stack([attention_decode(q[i], kc, vc, kv.block_table, start_pos + i + 1, cfg.attn_scale,
+                                           self.window) for i in range(T)])
         else:
             o = attention_prefill(q, kc, vc, kv.block_table, start_pos, cfg.attn_scale, self.window)
         o = self.mm(self.wo, o.reshape(T, cfg.n_head * hd))               # (T, D)

@@ -1,0 +1,93 @@
+"""Speculative decoding: drafting, the accept/reject rule, and greedy identity on the real model."""
+import numpy as np
+import pytest
+
+from core.backend import SamplingParams, SpeculativeConfig
+from core.engine import Engine
+from core.sampler import Sampler
+from core.speculative import lookup_draft
+from models.errors import BadInputError
+
+
+def test_lookup_draft_uses_the_latest_longest_match():
+    history = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    assert lookup_draft(history, 3) == [6, 7, 2]          # "2 3 4" last followed by 6 7 2
+    assert lookup_draft([5, 6, 7, 8, 6], 2) == [7, 8]     # falls back to a 1-gram
+    assert lookup_draft([1, 2, 3], 3) == []               # nothing repeats
+    assert lookup_draft([4, 4], 5) == [4]
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    """Accept d with p(d), else draw from p without d: the result is distributed as p."""
+    logits = np.log(np.array([0.5, 0.3, 0.2], dtype=np.float32))
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    sampler = Sampler(params, 3)
+    draws = [sampler.verify(logits, proposed=1)[1] for _ in range(6000)]
+    np.testing.assert_allclose(np.bincount(draws, minlength=3) / 6000, [0.5, 0.3, 0.2], atol=0.025)
+    accepted = [sampler.verify(logits, proposed=1)[0] for _ in range(4000)]
+    assert abs(np.mean(accepted) - 0.3) < 0.03
+
+
+def test_greedy_verification_accepts_only_the_argmax():
+    sampler = Sampler(SamplingParams(temperature=0), 3)
+    logits = np.array([0.1, 2.0, 0.3], dtype=np.float32)
+    assert sampler.verify(logits, 1) == (True, 1)
+    assert sampler.verify(logits, 2) == (False, 1)
+
+
+@pytest.fixture(scope="module")
+def native(qwen_path):
+    engine = Engine("qwen2.5-coder-0.5b-instruct", backend="native", n_ctx=1024, threads=2)
+    yield engine
+    engine.close()
+
+
+CODE = '''def area(width, height):
+    """Area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """Perimeter of a rectangle."""
+    return 2 * (width + height)
+'''
+PROMPTS = [
+    (True, "Rename the function area to rectangle_area in this code:\n\n" + CODE),
+    (True, "Add type hints to this code and change nothing else:\n\n" + CODE),
+    (True, "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."),
+    (True, "Translate to French: I like apples. I like pears. I like plums."),
+    (True, "Write a Python function that reverses a string."),
+    (True, "Что такое рекурсия? Объясни кратко."),
+    (False, "1, 2, 3, 4, 5, 6, 7, 8,"),
+    (False, "def fibonacci(n):\n"),
+    (False, "The capital of France is"),
+    (False, "SELECT name, COUNT(*) FROM users GROUP BY name; SELECT name, COUNT(*) FROM"),
+]
+
+
+def test_lookup_greedy_is_token_identical(native):
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    drafted = accepted = 0
+    for chat, text in PROMPTS:
+        ids = native.prompt_ids(text, chat=chat)
+        native.backend._reuse_prefix([-1, -1])       # both runs from a cold cache: same prefill
+        plain = [e.id for e in native.generate(ids, greedy) if e.id >= 0]
+        native.backend._reuse_prefix([-1, -1])
+        spec = [e.id for e in native.generate(ids, greedy, speculative=SpeculativeConfig("lookup", 3)) if e.id >= 0]
+        assert spec == plain, text[:40]
+        drafted += native.backend.stats.spec_drafted
+        accepted += native.backend.stats.spec_accepted
+    assert drafted > 0 and accepted > 0.2 * drafted      # input-grounded prompts do get accepted drafts
+
+
+def test_speculative_needs_the_native_backend(qwen_path):
+    engine = Engine("qwen2.5-coder-0.5b-instruct", backend="llama.cpp", n_ctx=256, threads=2)
+    with pytest.raises(BadInputError, match="native"):
+        list(engine.generate(engine.prompt_ids("hi"), SamplingParams(), speculative=SpeculativeConfig("lookup")))
+    engine.close()
+
+
+@pytest.mark.parametrize("method, n", [("draft", 3), ("lookup", 0), ("lookup", 9)])
+def test_bad_speculative_config(method, n):
+    with pytest.raises(BadInputError):
+        SpeculativeConfig(method, n).validate()
