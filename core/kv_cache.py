@@ -110,6 +110,11 @@ class PagedKVCache:
         self.sequences.append(seq)
         return seq
 
+    def forget_prefixes(self) -> None:
+        """Drop every prefix-hash registration: cached blocks become plain free blocks."""
+        for b in list(self.pool.hash_of):
+            self.pool.unregister(b)
+
     def copy_block(self, src: int, dst: int) -> None:
         for k, v in zip(self.k, self.v):
             k[dst] = k[src]

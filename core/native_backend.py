@@ -96,6 +96,11 @@ class NativeBackend(Backend):
             self.seq.commit(part)
         return np.concatenate(out)
 
+    def reset(self) -> None:
+        """Empty the cache, prefix registrations included: the next prompt runs cold."""
+        self.seq.release()
+        self.cache.forget_prefixes()
+
     def kv_block_map(self) -> list[str]:
         return self.cache.block_states()
 
