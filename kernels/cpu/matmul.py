@@ -22,7 +22,8 @@ from numba import njit, prange
 from kernels.cpu.ops import serial_twin
 from kernels.cpu.quant import (
     BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-    SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, repack,
+    HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, q4_k_tile16, q5_0_tile16, q6_k_tile16,
+    repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, round_f16,
 )
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -400,6 +401,100 @@ def _gemv_q4_k_q8(d, dmin, sc, mn, qs, xq, dx, bsum32, out):
             out[r] = tot
 
 
+@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
+def _quantize_q8_0(x, xq, dx, sxq, off):
+    """x (K,) -> int8 xq in 32-blocks with f16-rounded scales dx, exactly as llama.cpp's q8_0
+    (so an activation already rounded by activations.round_like_llama_cpp comes back unchanged),
+    and sxq = off * per-block sums of xq."""
+    for b in range(dx.shape[0]):
+        amax = _F0
+        for i in range(32):
+            amax = max(amax, abs(x[b * 32 + i]))
+        idv = np.float32(127.0) / amax if amax > 0 else _F0
+        s = 0
+        for i in range(32):
+            q = np.int32(np.rint(x[b * 32 + i] * idv))
+            xq[b * 32 + i] = q
+            s += q
+        dx[b] = round_f16(amax / np.float32(127.0))
+        sxq[b] = off * s
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_q5_0_t16(tiles, x, out):
+    """Q5_0 tiles (quant.repack_q5_0_tiles) x q8_0 activations -> out (16 * n_tiles,). Only for
+    x that q8_0 represents exactly (llama.cpp-rounded activations): returns False otherwise."""
+    nb = x.shape[0] // 32
+    xq = np.empty(nb * 32, np.int8)
+    dx = np.empty(nb, np.float32)
+    sxq = np.empty(nb, np.int32)
+    _quantize_q8_0(x, xq, dx, sxq, -16)
+    for i in range(nb * 32):  # x off the q8_0 grid (exact float mode): caller uses the float kernel
+        if xq[i] * dx[i // 32] != x[i]:
+            return False
+    xq32 = xq.view(np.int32)
+    for t in prange(tiles.shape[0]):
+        q5_0_tile16(tiles, t, xq32, dx, sxq, out)
+    return True
+
+
+_gemv_q5_0_t16_serial = serial_twin(_gemv_q5_0_t16)
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_q4_k_t16(tiles, x, out):
+    """Q4_K tiles (quant.repack_q4_k_tiles) x int8 activations (per-256 scale) -> out."""
+    K = x.shape[0]
+    xq = np.empty(K, np.int8)
+    dx = np.empty(K // 256, np.float32)
+    bsum32 = np.empty(K // 32, np.int32)
+    _quantize_q8k(x, xq, dx, bsum32)
+    xq32 = xq.view(np.int32)
+    for t in prange(tiles.shape[0]):
+        q4_k_tile16(tiles, t, xq32, dx, bsum32, out)
+    return True  # Q4_K takes int8 activations always (INT8_ACTIVATION_TYPES)
+
+
+_gemv_q4_k_t16_serial = serial_twin(_gemv_q4_k_t16)
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_q6_k_t16(tiles, x, out):
+    """Q6_K tiles (quant.repack_q6_k_tiles) x int8 activations (per-256 scale) -> out. Only for x
+    on the q8_K grid (llama.cpp-rounded activations): returns False otherwise."""
+    K = x.shape[0]
+    xq = np.empty(K, np.int8)
+    dx = np.empty(K // 256, np.float32)
+    bsum32 = np.empty(K // 32, np.int32)
+    _quantize_q8k(x, xq, dx, bsum32)
+    bsum16 = np.empty(K // 16, np.int32)
+    for i in range(K // 16):
+        s = 0
+        for j in range(16):
+            s += xq[16 * i + j]
+        bsum16[i] = -32 * s
+    for i in range(K):  # x off the q8_K grid (exact float mode; 1e-3 step covers ulp noise)
+        if abs(xq[i] * dx[i // 256] - x[i]) > np.float32(1e-3) * dx[i // 256]:
+            return False
+    xq32 = xq.view(np.int32)
+    for t in prange(tiles.shape[0]):
+        q6_k_tile16(tiles, t, xq32, dx, bsum16, out)
+    return True
+
+
+_gemv_q6_k_t16_serial = serial_twin(_gemv_q6_k_t16)
+# Types with a 16-row tile kernel (int8 activations; AVX-512 VNNI only): 2-5x the float kernels.
+# Q5_0 / Q6_K take it only when x is exactly on llama.cpp's q8_0 / q8_K grid (the models layer
+# rounds activations so by default), so their results keep float-activation accuracy; an exact
+# float32 x (set_llama_rounding(False), tests) falls back to the float kernels.
+TILE16_TYPES = frozenset({Q5_0, Q4_K, Q6_K}) if HAS_VNNI else frozenset()
+_TILE16 = {
+    Q5_0: (repack_q5_0_tiles, _gemv_q5_0_t16, _gemv_q5_0_t16_serial),
+    Q4_K: (repack_q4_k_tiles, _gemv_q4_k_t16, _gemv_q4_k_t16_serial),
+    Q6_K: (repack_q6_k_tiles, _gemv_q6_k_t16, _gemv_q6_k_t16_serial),
+}
+
+
 _gemv_q4_k_q8_serial = serial_twin(_gemv_q4_k_q8)
 # Types whose gemv quantizes x to int8 first (integer dot products); others stay float.
 INT8_ACTIVATION_TYPES = frozenset({Q4_K})
@@ -474,10 +569,23 @@ class QMatrix:
         self.ggml_type = ggml_type
         self.n_rows = int(n_rows)
         self.n_cols = int(n_cols)
-        self.packed = repack(raw, ggml_type, self.n_cols)
-        if self.packed[0].shape[0] != self.n_rows:
-            raise ValueError(f"data holds {self.packed[0].shape[0]} rows, expected {self.n_rows}")
-        self.nbytes = int(sum(a.nbytes for a in self.packed))
+        self.raw = raw
+        # gemv's own layout (TILE16_TYPES). Those types keep no second copy: gemm and rows() repack
+        # slices of the memory-mapped GGUF data on the fly, and the per-field layout the float
+        # fallback needs is only built if that fallback ever runs.
+        self.tiles = _TILE16[ggml_type][0](raw, self.n_cols) if ggml_type in TILE16_TYPES else None
+        self._packed = None if self.tiles is not None else repack(raw, ggml_type, self.n_cols)
+        n_rows_held = raw.shape[0] if raw.ndim == 2 else self.packed[0].shape[0]
+        if n_rows_held != self.n_rows:
+            raise ValueError(f"data holds {n_rows_held} rows, expected {self.n_rows}")
+        self.nbytes = int(self.tiles.nbytes if self.tiles is not None else sum(a.nbytes for a in self.packed))
+
+    @property
+    def packed(self) -> tuple:
+        """The per-field layout (built on first use for TILE16 types)."""
+        if self._packed is None:
+            self._packed = repack(self.raw, self.ggml_type, self.n_cols)
+        return self._packed
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -494,6 +602,16 @@ class QMatrix:
 
     def _gemv_into(self, x: np.ndarray, out: np.ndarray) -> None:
         K = self.n_cols
+        if self.tiles is not None:
+            _, par, ser = _TILE16[self.ggml_type]
+            kernel = par if self.nbytes >= GEMV_PAR_MIN_BYTES else ser
+            if self.n_rows % 16:
+                tmp = np.empty(self.tiles.shape[0] * 16, np.float32)
+                if kernel(self.tiles, x, tmp):
+                    out[:] = tmp[:self.n_rows]
+                    return
+            elif kernel(self.tiles, x, out):
+                return
         if self.ggml_type in INT8_ACTIVATION_TYPES:
             xq = np.empty(K, np.int8)
             dx = np.empty(K // 256, np.float32)
@@ -546,7 +664,11 @@ class QMatrix:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows W[ids] (len(ids), K) float32, e.g. an embedding lookup."""
-        return dequantize_rows(self.packed, self.ggml_type, self.n_cols, np.asarray(ids))
+        ids = np.asarray(ids)
+        if self._packed is None and self.raw.ndim == 2:        # repack just these rows of the GGUF data
+            part = repack(np.ascontiguousarray(self.raw[ids]), self.ggml_type, self.n_cols)
+            return dequantize_rows(part, self.ggml_type, self.n_cols, np.arange(len(ids)))
+        return dequantize_rows(self.packed, self.ggml_type, self.n_cols, ids)
 
     def dequantize(self) -> np.ndarray:
         """The whole W as float32 (tests, small tensors)."""

@@ -10,8 +10,9 @@ bit-identical to `gguf.quants.dequantize`.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding as _llvm, ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.ops import PAR_MIN, serial_twin
@@ -82,6 +83,302 @@ def i8_f32(typingctx, a):
 
     def codegen(context, builder, signature, args):
         return builder.sitofp(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+# --- 16-row interleaved tiles for int8-activation gemv (AVX-512 VNNI) -----------------------
+# A tile holds 16 consecutive rows; per block it stores the 16 rows' quants interleaved so that
+# one 64-byte vector holds 4 consecutive elements of each row (one int32 lane per row). The dot
+# with int8 activations is then vpdpbusd (u8 weight x s8 activation, 4 products per lane) with
+# the activation's 4 bytes broadcast: no horizontal sums, each x load serves 16 rows, and the
+# tile's bytes stream contiguously. Kernels are written as LLVM vector IR (numba's
+# auto-vectorizer does not find this shape). Only on CPUs with AVX-512 VNNI.
+HAS_VNNI = bool(_llvm.get_host_cpu_features().get("avx512vnni", False))
+i8, i32, f32, f16 = ir.IntType(8), ir.IntType(32), ir.FloatType(), ir.HalfType()
+V16I = ir.VectorType(i32, 16)
+V16F = ir.VectorType(f32, 16)
+V16H = ir.VectorType(f16, 16)
+TILE_B_Q5_0 = 352  # bytes per (tile, block): qs 256, qh 64, d 32 (f16)
+
+
+def _splat(builder, val, vty):
+    undef = ir.Constant(vty, ir.Undefined)
+    v = builder.insert_element(undef, val, ir.Constant(i32, 0))
+    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+
+
+def _vload(builder, ptr, vty):
+    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
+
+
+def _vconst(vty, c):
+    return ir.Constant(vty, [c] * vty.count)
+
+
+def _dpbusd(builder, acc, a, b):
+    mod = builder.module
+    fnty = ir.FunctionType(V16I, [V16I, V16I, V16I])
+    fn = cgutils.get_or_insert_function(mod, fnty, "llvm.x86.avx512.vpdpbusd.512")
+    return builder.call(fn, [acc, a, b])
+
+
+def _shift(builder, v, s):
+    if s > 0:
+        return builder.shl(v, _vconst(V16I, s))
+    if s < 0:
+        return builder.lshr(v, _vconst(V16I, -s))
+    return v
+
+
+@intrinsic
+def q5_0_tile16(typingctx, tiles, t, xq32, dx, sxq, out):
+    """out[16t:16t+16] = tile t of a Q5_0 tile matrix (repack_q5_0_tiles) dotted with q8_0
+    activations: xq32 = int8 x viewed as int32 (4 elements each), dx = per-32 scales,
+    sxq = -16 * per-32 sums of int8 x (the Q5_0 offset folded into the integer accumulator)."""
+    sig = types.void(tiles, t, xq32, dx, sxq, out)
+
+    def codegen(context, builder, signature, args):
+        tiles_v, t_v, xq_v, dx_v, sxq_v, out_v = args
+        ta = context.make_array(signature.args[0])(context, builder, tiles_v)
+        xa = context.make_array(signature.args[2])(context, builder, xq_v)
+        da = context.make_array(signature.args[3])(context, builder, dx_v)
+        sa = context.make_array(signature.args[4])(context, builder, sxq_v)
+        oa = context.make_array(signature.args[5])(context, builder, out_v)
+        i64 = ir.IntType(64)
+        nb = builder.extract_value(sa.shape, 0)  # sxq has one entry per block
+        row_bytes = builder.mul(nb, ir.Constant(i64, TILE_B_Q5_0))
+        t64 = builder.sext(t_v, i64) if t_v.type.width < 64 else t_v
+        base = builder.gep(ta.data, [builder.mul(t64, row_bytes)])
+        accp = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
+        m0f = _vconst(V16I, 0x0F0F0F0F)
+        m10 = _vconst(V16I, 0x10101010)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            p = builder.gep(base, [builder.mul(b, ir.Constant(i64, TILE_B_Q5_0))])
+            hb = _vload(builder, builder.gep(p, [ir.Constant(i64, 256)]), V16I)
+            s0 = builder.load(builder.gep(sa.data, [b]))
+            acc0 = _splat(builder, s0, V16I)
+            acc1 = ir.Constant(V16I, [0] * 16)
+            for g in range(4):
+                v = _vload(builder, builder.gep(p, [ir.Constant(i64, 64 * g)]), V16I)
+                lo = builder.or_(builder.and_(v, m0f), builder.and_(_shift(builder, hb, 4 - 2 * g), m10))
+                hi = builder.or_(builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f),
+                                 builder.and_(_shift(builder, hb, 3 - 2 * g), m10))
+                xi = builder.mul(b, ir.Constant(i64, 8))
+                xlo = builder.load(builder.gep(xa.data, [builder.add(xi, ir.Constant(i64, g))]))
+                xhi = builder.load(builder.gep(xa.data, [builder.add(xi, ir.Constant(i64, 4 + g))]))
+                acc0 = _dpbusd(builder, acc0, lo, _splat(builder, xlo, V16I))
+                acc1 = _dpbusd(builder, acc1, hi, _splat(builder, xhi, V16I))
+            iacc = builder.add(acc0, acc1)
+            dw = builder.fpext(_vload(builder, builder.gep(p, [ir.Constant(i64, 320)]), V16H), V16F)
+            dxb = builder.load(builder.gep(da.data, [b]))
+            scale = builder.fmul(dw, _splat(builder, dxb, V16F))
+            prod = builder.fmul(builder.sitofp(iacc, V16F), scale, flags=("contract",))
+            builder.store(builder.fadd(builder.load(accp), prod, flags=("contract",)), accp)
+        op = builder.gep(oa.data, [builder.mul(t64, ir.Constant(i64, 16))])
+        builder.store(builder.load(accp), builder.bitcast(op, V16F.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def repack_q5_0_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """GGUF Q5_0 data (N rows of n_cols) -> (ceil(N/16), nb*352) uint8 tiles (see above);
+    rows past N are zero (d = 0). Byte (g, r, j) of a block's qs holds elements 4g+j (low nibble)
+    and 16+4g+j (high nibble) of row r; bits 2g / 2g+1 of qh byte (r, j) are their 5th bits."""
+    raw_rows = as_block_bytes(raw, Q5_0, n_cols)
+    pad = -raw_rows.shape[0] % 16
+    if pad:
+        raw_rows = np.concatenate([raw_rows, np.zeros((pad, raw_rows.shape[1]), np.uint8)])
+    N = raw_rows.shape[0]
+    nb = n_cols // 32
+    T = N // 16
+    k = raw_rows.reshape(N, nb, 22)
+    d16 = k[..., 0:2]
+    qh = np.ascontiguousarray(k[..., 2:6]).view("<u4")[..., 0].astype(np.uint32)
+    qs = k[..., 6:22]
+    qs_t = qs.reshape(T, 16, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(T, nb, 256)
+    hbyte = np.zeros((N, nb, 4), np.uint8)
+    for g in range(4):
+        for j in range(4):
+            lo = (qh >> np.uint32(4 * g + j)) & np.uint32(1)
+            hi = (qh >> np.uint32(16 + 4 * g + j)) & np.uint32(1)
+            hbyte[..., j] |= ((lo << np.uint32(2 * g)) | (hi << np.uint32(2 * g + 1))).astype(np.uint8)
+    qh_t = hbyte.reshape(T, 16, nb, 4).transpose(0, 2, 1, 3).reshape(T, nb, 64)
+    d_t = d16.reshape(T, 16, nb, 2).transpose(0, 2, 1, 3).reshape(T, nb, 32)
+    return np.ascontiguousarray(np.concatenate([qs_t, qh_t, d_t], axis=-1).reshape(T, nb * 352))
+
+
+
+TILE_B_Q4_K = 2368  # bytes per (tile, super-block): qs 2048, sc 128, mn 128, d 32, dmin 32
+V16B = ir.VectorType(i8, 16)
+
+
+@intrinsic
+def q4_k_tile16(typingctx, tiles, t, xq32, dx, bsum32, out):
+    """out[16t:16t+16] = tile t of a Q4_K tile matrix (repack_q4_k_tiles) dotted with q8_K-style
+    activations: xq32 = int8 x viewed as int32, dx = per-256 scales, bsum32 = per-32 sums of xq."""
+    sig = types.void(tiles, t, xq32, dx, bsum32, out)
+
+    def codegen(context, builder, signature, args):
+        tiles_v, t_v, xq_v, dx_v, bs_v, out_v = args
+        ta = context.make_array(signature.args[0])(context, builder, tiles_v)
+        xa = context.make_array(signature.args[2])(context, builder, xq_v)
+        da = context.make_array(signature.args[3])(context, builder, dx_v)
+        ba = context.make_array(signature.args[4])(context, builder, bs_v)
+        oa = context.make_array(signature.args[5])(context, builder, out_v)
+        i64 = ir.IntType(64)
+        nb = builder.extract_value(da.shape, 0)
+        t64 = builder.sext(t_v, i64) if t_v.type.width < 64 else t_v
+        base = builder.gep(ta.data, [builder.mul(t64, builder.mul(nb, ir.Constant(i64, TILE_B_Q4_K)))])
+        accp = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
+        m0f = _vconst(V16I, 0x0F0F0F0F)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            p = builder.gep(base, [builder.mul(b, ir.Constant(i64, TILE_B_Q4_K))])
+
+            def at(off):
+                return builder.gep(p, [ir.Constant(i64, off)])
+
+            isum = ir.Constant(V16I, [0] * 16)
+            msum = ir.Constant(V16I, [0] * 16)
+            for c in range(4):
+                acc = [ir.Constant(V16I, [0] * 16), ir.Constant(V16I, [0] * 16)]
+                for g in range(8):
+                    v = _vload(builder, at(c * 512 + g * 64), V16I)
+                    for h, qv in enumerate((builder.and_(v, m0f), builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f))):
+                        xi = builder.add(builder.mul(b, ir.Constant(i64, 64)), ir.Constant(i64, c * 16 + h * 8 + g))
+                        xv = builder.load(builder.gep(xa.data, [xi]))
+                        acc[h] = _dpbusd(builder, acc[h], qv, _splat(builder, xv, V16I))
+                for h in range(2):
+                    j = 2 * c + h
+                    sc = builder.zext(_vload(builder, at(2048 + j * 16), V16B), V16I)
+                    isum = builder.add(isum, builder.mul(acc[h], sc))
+                    mn = builder.zext(_vload(builder, at(2176 + j * 16), V16B), V16I)
+                    bs = builder.load(builder.gep(ba.data, [builder.add(builder.mul(b, ir.Constant(i64, 8)), ir.Constant(i64, j))]))
+                    msum = builder.add(msum, builder.mul(mn, _splat(builder, bs, V16I)))
+            d = builder.fpext(_vload(builder, at(2304), V16H), V16F)
+            dmin = builder.fpext(_vload(builder, at(2336), V16H), V16F)
+            dxb = _splat(builder, builder.load(builder.gep(da.data, [b])), V16F)
+            part = builder.fsub(builder.fmul(d, builder.sitofp(isum, V16F)), builder.fmul(dmin, builder.sitofp(msum, V16F)))
+            builder.store(builder.fadd(builder.load(accp), builder.fmul(part, dxb), flags=("contract",)), accp)
+        op = builder.gep(oa.data, [builder.mul(t64, ir.Constant(i64, 16))])
+        builder.store(builder.load(accp), builder.bitcast(op, V16F.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+TILE_B_Q6_K = 3360  # bytes per (tile, super-block): [half][pos][ql A, ql B, qh] 3072, sc 256, d 32
+
+
+@intrinsic
+def q6_k_tile16(typingctx, tiles, t, xq32, dx, bsum16, out):
+    """out[16t:16t+16] = tile t of a Q6_K tile matrix (repack_q6_k_tiles) dotted with int8 x
+    (per-256 scales dx); bsum16 = -32 * per-16 sums of int8 x (the Q6_K offset)."""
+    sig = types.void(tiles, t, xq32, dx, bsum16, out)
+
+    def codegen(context, builder, signature, args):
+        tiles_v, t_v, xq_v, dx_v, bs_v, out_v = args
+        ta = context.make_array(signature.args[0])(context, builder, tiles_v)
+        xa = context.make_array(signature.args[2])(context, builder, xq_v)
+        da = context.make_array(signature.args[3])(context, builder, dx_v)
+        ba = context.make_array(signature.args[4])(context, builder, bs_v)
+        oa = context.make_array(signature.args[5])(context, builder, out_v)
+        i64 = ir.IntType(64)
+        nb = builder.extract_value(da.shape, 0)
+        t64 = builder.sext(t_v, i64) if t_v.type.width < 64 else t_v
+        base = builder.gep(ta.data, [builder.mul(t64, builder.mul(nb, ir.Constant(i64, TILE_B_Q6_K)))])
+        accp = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
+        m0f = _vconst(V16I, 0x0F0F0F0F)
+        m30 = _vconst(V16I, 0x30303030)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            p = builder.gep(base, [builder.mul(b, ir.Constant(i64, TILE_B_Q6_K))])
+
+            def at(off):
+                return builder.gep(p, [ir.Constant(i64, off)])
+
+            acc = []
+            for s in range(16):
+                bs = builder.load(builder.gep(ba.data, [builder.add(builder.mul(b, ir.Constant(i64, 16)), ir.Constant(i64, s))]))
+                acc.append(_splat(builder, bs, V16I))
+            for h in range(2):
+                for pp in range(8):
+                    o = (h * 8 + pp) * 192
+                    A = _vload(builder, at(o), V16I)
+                    B = _vload(builder, at(o + 64), V16I)
+                    H = _vload(builder, at(o + 128), V16I)
+                    vals = (
+                        builder.or_(builder.and_(A, m0f), builder.and_(_shift(builder, H, 4), m30)),
+                        builder.or_(builder.and_(B, m0f), builder.and_(_shift(builder, H, 2), m30)),
+                        builder.or_(builder.and_(builder.lshr(A, _vconst(V16I, 4)), m0f), builder.and_(H, m30)),
+                        builder.or_(builder.and_(builder.lshr(B, _vconst(V16I, 4)), m0f), builder.and_(_shift(builder, H, -2), m30)),
+                    )
+                    for k, qv in enumerate(vals):
+                        e = h * 128 + 32 * k + 4 * pp
+                        xi = builder.add(builder.mul(b, ir.Constant(i64, 64)), ir.Constant(i64, e // 4))
+                        xv = builder.load(builder.gep(xa.data, [xi]))
+                        acc[e // 16] = _dpbusd(builder, acc[e // 16], qv, _splat(builder, xv, V16I))
+            isum = ir.Constant(V16I, [0] * 16)
+            for s in range(16):
+                sc = builder.sext(_vload(builder, at(3072 + 16 * s), V16B), V16I)
+                isum = builder.add(isum, builder.mul(acc[s], sc))
+            d = builder.fpext(_vload(builder, at(3328), V16H), V16F)
+            dxb = _splat(builder, builder.load(builder.gep(da.data, [b])), V16F)
+            part = builder.fmul(d, builder.sitofp(isum, V16F))
+            builder.store(builder.fadd(builder.load(accp), builder.fmul(part, dxb), flags=("contract",)), accp)
+        op = builder.gep(oa.data, [builder.mul(t64, ir.Constant(i64, 16))])
+        builder.store(builder.load(accp), builder.bitcast(op, V16F.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def repack_q6_k_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """GGUF Q6_K data -> (ceil(N/16), nb*3360) uint8 tiles; rows past N are zero. Per super-block,
+    for half h and position p (r = 4p..4p+3): ql[64h+r] (A: elements r, r+64), ql[64h+32+r]
+    (B: r+32, r+96), qh[32h+r] (their 2-bit highs), each [row][4 bytes]; then sc [16][row], d [row]."""
+    rows = _pad16(as_block_bytes(raw, Q6_K, n_cols))
+    N, nb, T = rows.shape[0], n_cols // 256, rows.shape[0] // 16
+    k = rows.reshape(N, nb, 210)
+    ql = k[..., 0:128].reshape(T, 16, nb, 2, 2, 8, 4).transpose(0, 2, 3, 5, 4, 1, 6)  # T nb h p AB row j
+    qh = k[..., 128:192].reshape(T, 16, nb, 2, 1, 8, 4).transpose(0, 2, 3, 5, 4, 1, 6)  # T nb h p 1 row j
+    q = np.concatenate([ql, qh], axis=4).reshape(T, nb, 3072)
+    sc = k[..., 192:208].reshape(T, 16, nb, 16).transpose(0, 2, 3, 1).reshape(T, nb, 256)
+    d = k[..., 208:210].reshape(T, 16, nb, 2).transpose(0, 2, 1, 3).reshape(T, nb, 32)
+    return np.ascontiguousarray(np.concatenate([q, sc, d], axis=-1).reshape(T, nb * TILE_B_Q6_K))
+
+
+def _pad16(rows: np.ndarray) -> np.ndarray:
+    pad = -rows.shape[0] % 16
+    return np.concatenate([rows, np.zeros((pad, rows.shape[1]), np.uint8)]) if pad else rows
+
+
+def repack_q4_k_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """GGUF Q4_K data -> (ceil(N/16), nb*2368) uint8 tiles; rows past N are zero. Per super-block:
+    qs as [c][g][row][4 bytes] (bytes 4g..4g+3 of 32-byte group c: elements 64c+4g+j low nibble,
+    64c+32+4g+j high nibble), then sc and mn as [sub-block][row] bytes, then d and dmin [row] f16."""
+    rows = _pad16(as_block_bytes(raw, Q4_K, n_cols))
+    N, nb, T = rows.shape[0], n_cols // 256, rows.shape[0] // 16
+    k = rows.reshape(N, nb, 144)
+    sc, mn = _k_scales(k[..., 4:16])  # (N, nb*8)
+    qs = k[..., 16:144].reshape(T, 16, nb, 4, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(T, nb, 2048)
+    sc_t = sc.reshape(T, 16, nb, 8).transpose(0, 2, 3, 1).reshape(T, nb, 128)
+    mn_t = mn.reshape(T, 16, nb, 8).transpose(0, 2, 3, 1).reshape(T, nb, 128)
+    d_t = k[..., 0:2].reshape(T, 16, nb, 2).transpose(0, 2, 1, 3).reshape(T, nb, 32)
+    dm_t = k[..., 2:4].reshape(T, 16, nb, 2).transpose(0, 2, 1, 3).reshape(T, nb, 32)
+    return np.ascontiguousarray(np.concatenate([qs, sc_t, mn_t, d_t, dm_t], axis=-1).reshape(T, nb * TILE_B_Q4_K))
+
+
+@intrinsic
+def round_f16(typingctx, a):
+    """float32 a rounded to the nearest float16, as float32 (numba has no float16 type)."""
+    sig = types.float32(a)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], f16), f32)
 
     return sig, codegen
 

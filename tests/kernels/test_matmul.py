@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kernels.cpu.matmul import INT8_ACTIVATION_TYPES, QMatrix
+from kernels.cpu.matmul import INT8_ACTIVATION_TYPES, TILE16_TYPES, QMatrix
 from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES
 from kernels.reference import dequantize_ref, matmul_ref, random_quantized
 
@@ -78,6 +78,8 @@ def test_gemv_q4_k_both_activation_paths(int8, monkeypatch):
 
     monkeypatch.setattr(matmul, "INT8_ACTIVATION_TYPES", frozenset({12}) if int8 else frozenset())
     qm, w, rng = _setup(12, 33, 1536, 2)
+    if not int8:
+        qm.tiles = None  # the tile kernel (VNNI hosts) also takes int8 activations
     x = rng.standard_normal(1536).astype(np.float32)
     x[5] = 40.0  # an outlier widens its block's int8 step; the bound accounts for it
     got = qm.gemv(x)
@@ -144,3 +146,41 @@ def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
         monkeypatch.setattr(quant, "PAR_MIN", threshold)
         _assert_close(qm.gemv(x), w, x, GEMV_RTOL, ggml_type)
         np.testing.assert_array_equal(qm.rows(ids), w[ids])
+
+
+@pytest.mark.skipif(not TILE16_TYPES, reason="no AVX-512 VNNI: tile kernels unused")
+@pytest.mark.parametrize("ggml_type", sorted(TILE16_TYPES), ids=_name)
+@pytest.mark.parametrize("n_rows, n_blocks", [(16, 1), (48, 5), (128, 28), (896, 19), (23, 2)])
+@pytest.mark.parametrize("parallel", [True, False], ids=["par", "serial"])
+def test_gemv_tile16(ggml_type, n_rows, n_blocks, parallel, monkeypatch):
+    """16-row tile kernels (int8 activations): whole and partial tiles, both thread paths; exact
+    on llama.cpp-rounded x (Q5_0/Q6_K fall back to float kernels for other x: test_gemv)."""
+    from kernels.cpu import matmul
+
+    n_cols = n_blocks * GGML_BLOCK[ggml_type][0]
+    monkeypatch.setattr(matmul, "GEMV_PAR_MIN_BYTES", 0 if parallel else 1 << 62)
+    qm, w, rng = _setup(ggml_type, n_rows, n_cols, n_rows + n_cols)
+    assert qm.tiles is not None
+    from kernels.cpu.activations import round_like_llama_cpp
+
+    x = rng.standard_normal(n_cols).astype(np.float32)
+    x[3] = 30.0  # an outlier widens its block's int8 step
+    x = round_like_llama_cpp(x[None], ggml_type)[0]  # on the int8 grid, as the models layer passes it
+    calls = []
+    for table in (matmul._GEMV, matmul._GEMV_SERIAL):  # the float fallbacks must not run
+        monkeypatch.setitem(table, ggml_type, lambda *a: calls.append(a))
+    _assert_close(qm.gemv(x), w, x, GEMV_RTOL, ggml_type)
+    assert not calls
+
+
+@pytest.mark.skipif(not TILE16_TYPES, reason="no AVX-512 VNNI: tile kernels unused")
+@pytest.mark.parametrize("ggml_type", sorted(TILE16_TYPES), ids=_name)
+def test_gemv_tile16_is_exact_on_llama_rounded_x(ggml_type):
+    """On an activation already rounded to q8_0 (as the models layer does) the int8 requantization
+    is lossless: the result is the float64 product up to float32 summation error."""
+    from kernels.cpu.activations import round_like_llama_cpp
+
+    n_cols = 1536 if GGML_BLOCK[ggml_type][0] == 256 else 896
+    qm, w, rng = _setup(ggml_type, 64, n_cols, 9)
+    x = round_like_llama_cpp(rng.standard_normal((1, n_cols)).astype(np.float32), ggml_type)[0]
+    _assert_close(qm.gemv(x), w, x, GEMV_RTOL)  # no int8 allowance
