@@ -57,6 +57,102 @@ def time_decode(engine, first: int, n_gen: int) -> float:
     return time.perf_counter() - t0
 
 
+REWRITE_CODE = '''def collect_even_squares(numbers):
+    """Return the squares of the even numbers, in order."""
+    result = []
+    for number in numbers:
+        if number % 2 == 0:
+            result.append(number * number)
+    return result
+
+
+def describe(numbers):
+    """Return a short description of a list of numbers."""
+    total = sum(numbers)
+    count = len(numbers)
+    average = total / count if count else 0.0
+    return f"{count} numbers, total {total}, average {average:.2f}"
+
+
+def clamp(value, low, high):
+    """Clamp value into [low, high]."""
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+'''
+SPECULATIVE_PROMPT = "Rename the function describe to summarize in this code, and change nothing else:\n\n" + REWRITE_CODE
+HISTORY_SENTENCE = "The archive holds letters, maps and ledgers from the harbour office, sorted by year. "
+
+
+def bench_multiturn(engine, reps: int, new_tokens: int = 20, history_tokens: int = 1500) -> dict:
+    """TTFT of a new message after a long conversation, with the history reused from the KV cache,
+    against prefilling the new message alone and against recomputing everything."""
+    from core.backend import SamplingParams
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=1)
+    unit = tok.encode(HISTORY_SENTENCE)
+    history = (unit * (history_tokens // len(unit) + 1))[:history_tokens]
+    rng = np.random.default_rng(1)
+    warm, alone, cold = [], [], []
+    for _ in range(reps):
+        message = random_prompt(rng, new_tokens, tok.n_vocab, tok.eog_ids)
+        fresh_history = random_prompt(rng, 1, tok.n_vocab, tok.eog_ids) + history
+        list(engine.backend.generate(fresh_history, params))            # the conversation so far
+        list(engine.backend.generate(fresh_history + message, params))  # the new turn, history reused
+        warm.append(engine.backend.timings.ttft_ms)
+        assert engine.backend.timings.cache_n >= len(fresh_history) - 1
+        list(engine.backend.generate(random_prompt(rng, new_tokens, tok.n_vocab, tok.eog_ids), params))
+        alone.append(engine.backend.timings.ttft_ms)
+        list(engine.backend.generate(random_prompt(rng, 1, tok.n_vocab, tok.eog_ids) + history + message, params))
+        cold.append(engine.backend.timings.ttft_ms)
+    return {"ttft_reused_ms": statistics.fmean(warm), "ttft_alone_ms": statistics.fmean(alone),
+            "ttft_recompute_ms": statistics.fmean(cold)}
+
+
+def bench_speculative(engine, reps: int, n_gen: int) -> dict:
+    """Decode tokens/s on an input-grounded prompt, plain vs prompt-lookup speculation (greedy)."""
+    from core.backend import SamplingParams, SpeculativeConfig
+    ids = engine.prompt_ids(SPECULATIVE_PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=n_gen)
+    plain, spec, drafted, accepted = [], [], 0, 0
+    for _ in range(reps):
+        for config, out in ((None, plain), (SpeculativeConfig("lookup", 3), spec)):
+            tokens = [e.id for e in engine.generate(ids, params, speculative=config) if e.id >= 0]
+            out.append(engine.backend.timings.predicted_per_second)
+            if config is not None:
+                drafted += engine.backend.stats.spec_drafted
+                accepted += engine.backend.stats.spec_accepted
+                if tokens != reference:
+                    raise RuntimeError("speculative output differs from plain greedy output")
+            else:
+                reference = tokens
+    return {"plain_t_s": statistics.fmean(plain), "lookup_t_s": statistics.fmean(spec),
+            "acceptance": accepted / drafted if drafted else 0.0}
+
+
+def cmd_bench_modes(args, engines) -> int:
+    for name, engine in engines.items():
+        if args.multiturn:
+            r = bench_multiturn(engine, args.repetitions)
+            print(f"{name:<10} multiturn: TTFT with 1500 tokens of history reused {r['ttft_reused_ms']:.0f} ms | "
+                  f"20-token prompt alone {r['ttft_alone_ms']:.0f} ms | full recompute {r['ttft_recompute_ms']:.0f} ms | "
+                  f"reused/alone {r['ttft_reused_ms'] / r['ttft_alone_ms']:.2f}x")
+            if args.json:
+                print(json.dumps({"backend": name, "test": "multiturn", **{k: round(v, 2) for k, v in r.items()}}))
+        if args.speculative:
+            if not engine.backend.supports_speculative:
+                print(f"{name:<10} speculative: not supported by this backend")
+                continue
+            r = bench_speculative(engine, args.repetitions, args.n_gen)
+            print(f"{name:<10} speculative lookup: {r['lookup_t_s']:.1f} t/s vs plain {r['plain_t_s']:.1f} t/s "
+                  f"= {r['lookup_t_s'] / r['plain_t_s']:.2f}x, acceptance {100 * r['acceptance']:.0f}% (same tokens)")
+            if args.json:
+                print(json.dumps({"backend": name, "test": "speculative", **{k: round(v, 3) for k, v in r.items()}}))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from app.cli import load_engine
     from models import registry
@@ -67,11 +163,13 @@ def cmd_bench(args) -> int:
     if args.n_prompt < 1 or args.n_gen < 1 or args.repetitions < 1:
         raise BadInputError("-p, -n and -r must be at least 1")
     model = args.model or registry.DEFAULT_MODEL
-    args.ctx = args.ctx or max(args.n_prompt, args.n_gen + 1) + 64
+    args.ctx = args.ctx or max(args.n_prompt, args.n_gen + 1, 2048 if (args.multiturn or args.speculative) else 0) + 64
     engines = {}
     for name in names:
         args.backend = name
         engines[name] = load_engine(args, model)
+    if args.multiturn or args.speculative:
+        return cmd_bench_modes(args, engines)
     n_vocab = next(iter(engines.values())).tokenizer.n_vocab
     avoid = next(iter(engines.values())).tokenizer.eog_ids
     gguf = next(iter(engines.values())).gguf

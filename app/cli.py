@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ctx", type=int, default=None, help="context (default: enough for the test)")
     bench.add_argument("--json", action="store_true", help="one JSON row per (backend, test)")
     bench.add_argument("--plot", default=None, metavar="PNG", help="also write a bar chart")
+    bench.add_argument("--multiturn", action="store_true",
+                       help="TTFT of a 20-token message after 1500 tokens of history: reused vs alone vs recomputed")
+    bench.add_argument("--speculative", action="store_true",
+                       help="decode speed with prompt-lookup speculation vs plain, on a code-rewrite prompt")
 
     from app.export import add_export_parser
     add_export_parser(sub)
