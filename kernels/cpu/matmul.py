@@ -657,10 +657,17 @@ class QMatrix:
         tile = max(16, self.TILE_ELEMS // self.n_cols // 16 * 16)
         for r0 in range(0, self.n_rows, tile):
             r1 = min(self.n_rows, r0 + tile)
-            wb = torch.from_numpy(f32_to_bf16(self.rows(np.arange(r0, r1)))).view(torch.bfloat16)
+            wb = torch.from_numpy(f32_to_bf16(self.row_range(r0, r1))).view(torch.bfloat16)
             y = torch.matmul(xb, wb.T)  # (M, r1-r0) bf16; oneDNN accumulates in fp32
             _bf16_into(y.view(torch.int16).numpy(), out, r0)
         return out
+
+    def row_range(self, r0: int, r1: int) -> np.ndarray:
+        """Dequantized rows W[r0:r1] (r1 - r0, K) float32; a slice of the GGUF data, no gather."""
+        if self._packed is None and self.raw.ndim == 2:
+            part = repack(self.raw[r0:r1], self.ggml_type, self.n_cols)
+            return dequantize_rows(part, self.ggml_type, self.n_cols, np.arange(r1 - r0))
+        return self.rows(np.arange(r0, r1))
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows W[ids] (len(ids), K) float32, e.g. an embedding lookup."""
