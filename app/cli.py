@@ -46,6 +46,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default: 1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); never printed")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from seen tokens (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence (default: 0)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="penalty window in tokens (default: 64)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable; BIAS may be -inf to ban it)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,9 +169,18 @@ def load_engine(args, model: str | None = None):
 
 def sampling_from_args(args):
     from core.backend import SamplingParams
+    bias = []
+    for item in args.logit_bias:
+        token, _, value = item.partition("=")
+        try:
+            bias.append((int(token), float(value)))
+        except ValueError:
+            raise BadInputError(f"--logit-bias wants ID=BIAS, got {item!r}") from None
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                          stop=tuple(args.stop)).validate()
+                          repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repeat_last_n=args.repeat_last_n,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          logit_bias=tuple(bias)).validate()
 
 
 def cmd_run(args) -> int:
@@ -295,6 +309,7 @@ def cmd_chat(args) -> int:
     args.prompt, args.system, args.no_chat, args.json = "Hello! Introduce yourself in one sentence.", None, False, False
     args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
     args.repeat_penalty, args.seed, args.stop = 1.0, None, []
+    args.presence_penalty, args.frequency_penalty, args.repeat_last_n, args.logit_bias = 0.0, 0.0, 64, []
     args.speculative, args.draft_n = "off", 3
     return cmd_run(args)
 

@@ -36,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); -inf bans it
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -50,6 +51,8 @@ class SamplingParams:
             (self.max_tokens >= 1, "max tokens must be >= 1"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
             (all(self.stop), "a stop string must not be empty"),
+            (all(t >= 0 and (math.isfinite(b) or b == -math.inf) for t, b in self.logit_bias),
+             "logit bias needs a token id >= 0 and a finite bias (or -inf)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -59,7 +59,13 @@ class Sampler:
         return False, token
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        """Logit bias first, then repetition / presence / frequency penalties over the window."""
         p = self.params
+        if p.logit_bias:
+            logits = logits.copy()
+            for token, bias in p.logit_bias:
+                if token < len(logits):
+                    logits[token] += bias
         if not self.recent or (p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0):
             return logits
         logits = logits.copy()

@@ -11,7 +11,8 @@ LOGITS = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], dtype=np.float32))   # pro
 
 def dist(**kw):
     params = SamplingParams(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw})
-    ids, probs = Sampler(params, 5).candidates(LOGITS.copy())
+    sampler = Sampler(params, 5)
+    ids, probs = sampler.candidates(sampler.apply_penalties(LOGITS.copy()))
     full = np.zeros(5)
     full[ids] = probs
     return full
@@ -54,6 +55,15 @@ def test_repeat_presence_frequency_penalties():
     assert s.sample(logits) == 1
 
 
+def test_logit_bias_shifts_and_bans():
+    s = Sampler(SamplingParams(temperature=0, logit_bias=((0, -float("inf")), (3, 1.0))), 5)
+    out = s.apply_penalties(LOGITS.copy())
+    assert out[0] == -np.inf and out[3] == pytest.approx(LOGITS[3] + 1.0)
+    assert s.sample(LOGITS) == 1                        # the best token is banned: the second wins
+    np.testing.assert_allclose(dist(logit_bias=((4, float(np.log(2.0))),)),
+                               np.array([0.4, 0.3, 0.15, 0.1, 0.1]) / 1.05, rtol=1e-5)
+
+
 def test_sampling_frequencies_follow_the_distribution():
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7), 5)
     draws = np.bincount([s.sample(LOGITS) for _ in range(4000)], minlength=5) / 4000
@@ -62,7 +72,8 @@ def test_sampling_frequencies_follow_the_distribution():
 
 @pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0), dict(top_k=-1), dict(min_p=1.5),
                                 dict(repeat_penalty=0), dict(max_tokens=0), dict(seed=-1), dict(stop=("",)),
-                                dict(temperature=float("nan"))])
+                                dict(temperature=float("nan")), dict(logit_bias=((-1, 1.0),)),
+                                dict(logit_bias=((3, float("nan")),))])
 def test_out_of_range_is_refused(kw):
     with pytest.raises(BadInputError):
         SamplingParams(**kw).validate()
