@@ -149,6 +149,8 @@ class GGUFFile:
     def _parse_header(self, cur: _Cursor):
         cur.take(4)                                             # magic, checked already
         version = cur.unpack("<I")
+        if version > 255:      # no such version was ever made: the header is damaged
+            raise BadInputError(f"corrupt GGUF file {self.path.name}: its version field reads {version}")
         if version not in (2, 3):
             raise BadInputError(f"unsupported GGUF version {version} in {self.path.name} (kvchat reads 2 and 3)")
         n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
