@@ -1,0 +1,114 @@
+"""Triton RMSNorm and RoPE, fusable into one pass (per-head q/k norm + RoPE, as gemma3 needs).
+
+One program per row of D elements (a token's hidden vector, or one head of q/k), the whole row
+in registers (BLOCK_D = next_pow2(D); fine up to ~16k). In fp32 whatever the storage dtype:
+
+  RMSNorm: y = x / sqrt(mean(x^2) + eps) * w         (the GGUF stores w as applied, gemma included)
+  RoPE (ggml_rope, freq_scale 1, no YaRN): pair (a, b) of dims rotated by
+      theta_i = pos * base^(-2i / n_rot), i < n_rot / 2
+      neox:   (a, b) = (i, i + n_rot/2)       normal: (a, b) = (2i, 2i + 1)
+      y_a = x_a cos - x_b sin,  y_b = x_a sin + x_b cos;  dims >= n_rot pass through.
+
+Each output element loads its rotation partner directly (a second, cached gather of the same
+row) and, when fused, normalises it with the same row statistic, so no shuffles are needed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, D, H, s_x, s_y, eps, log2_base,
+                      N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
+                      HAS_ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)                                   # row = t * H + h
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    x = tl.load(x_ptr + row * s_x + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+        x = x * rstd * tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ROPE:
+        HALF: tl.constexpr = N_ROT // 2
+        if NEOX:
+            i = offs % HALF
+            first = offs < HALF
+            partner = tl.where(first, offs + HALF, offs - HALF)
+        else:
+            i = offs // 2
+            first = offs % 2 == 0
+            partner = tl.where(first, offs + 1, offs - 1)
+        rot = offs < N_ROT
+        pmask = ok & rot
+        xp = tl.load(x_ptr + row * s_x + partner, mask=pmask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            xp = xp * rstd * tl.load(w_ptr + partner, mask=pmask, other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + row // H).to(tl.float32)
+        ang = pos * tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_base)
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+        y_rot = tl.where(first, x * c - xp * s, xp * s + x * c)
+        x = tl.where(rot, y_rot, x)
+    tl.store(y_ptr + row * s_y + offs, x.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2):
+    D = x2.shape[1]
+    BLOCK_D = triton.next_power_of_2(D)
+    num_warps = 1 if BLOCK_D <= 256 else (4 if BLOCK_D <= 2048 else 8)
+    dummy = x2
+    _norm_rope_kernel[(x2.shape[0],)](
+        x2, w if has_norm else dummy, positions if has_rope else dummy, out2, D, H,
+        x2.stride(0), out2.stride(0), float(eps), math.log2(theta) if has_rope else 0.0,
+        N_ROT=n_rot if has_rope else 2, NEOX=bool(neox), HAS_NORM=has_norm, HAS_ROPE=has_rope,
+        BLOCK_D=BLOCK_D, num_warps=num_warps,
+    )
+
+
+def _positions(positions, T, device):
+    if not torch.is_tensor(positions):
+        positions = torch.tensor(positions, device=device)
+    positions = positions.reshape(-1).to(device=device, dtype=torch.int32)
+    if positions.shape[0] != T:
+        raise ValueError(f"{positions.shape[0]} positions for {T} tokens")
+    return positions
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of x (..., D) with weight w (D,). Grid: one program per row."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty_like(x) if out is None else out
+    _launch(x2, w.contiguous(), None, 1, eps, 1.0, 2, True, True, False, out.view(-1, D))
+    return out
+
+
+def rope(x: torch.Tensor, positions, theta: float, neox: bool, n_rot: int | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """ggml RoPE of x (T, H, hd) at positions (T,). Grid: T*H rows. out must not alias x (partners are re-read)."""
+    return norm_rope(x, None, 0.0, positions, theta, neox, n_rot, out)
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, positions, theta: float, neox: bool,
+              n_rot: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head RMSNorm (w (hd,), skipped when None) then RoPE, one pass: x (T, H, hd) -> same shape."""
+    T, H, hd = x.shape
+    n_rot = hd if n_rot is None else n_rot
+    if n_rot % 2 or n_rot > hd:
+        raise ValueError(f"n_rot {n_rot} must be even and <= head_dim {hd}")
+    x2 = x.reshape(T * H, hd)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty_like(x) if out is None else out
+    if out.data_ptr() == x.data_ptr():
+        raise ValueError("norm_rope/rope cannot run in place: each element re-reads its rotation partner from x")
+    if T:
+        _launch(x2, None if w is None else w.contiguous(), _positions(positions, T, x.device), H, eps, theta,
+                n_rot, neox, w is not None, True, out.view(T * H, hd))
+    return out
