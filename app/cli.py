@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--speculative", action="store_true",
                        help="decode speed with prompt-lookup speculation vs plain, on a code-rewrite prompt")
 
+    from app.batch_cmd import add_batch_parser
     from app.export import add_export_parser
+    add_batch_parser(sub)
     add_export_parser(sub)
     return parser
 
@@ -140,6 +142,9 @@ def dispatch(args) -> int:
     if command == "bench":
         from app.bench import cmd_bench
         return cmd_bench(args)
+    if command == "batch":
+        from app.batch_cmd import cmd_batch
+        return cmd_batch(args)
     if command == "export":
         from app.export import cmd_export
         return cmd_export(args)

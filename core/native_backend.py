@@ -30,7 +30,8 @@ class NativeBackend(Backend):
     name = "native"
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
+                 n_blocks: int | None = None):
         super().__init__(tokenizer, n_ctx)
         import numba
 
@@ -42,7 +43,8 @@ class NativeBackend(Backend):
         cfg = self.model.cfg
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")
-        self.cache = PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, block_size)
+        # n_blocks: a bigger pool than one context, for several sequences at once (core.batch)
+        self.cache = PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, block_size, n_blocks)
         self.seq = self.cache.new_sequence()
         self._warm_up()
 

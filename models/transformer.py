@@ -123,15 +123,40 @@ class KVView(Protocol):
 SMALL_BATCH = 64
 
 
-def _mm(w: QMatrix, x: np.ndarray, llama_rounding: bool) -> np.ndarray:
-    """x (T, K) -> (T, N). One token reads W once (gemv); a batch dequantizes W tile by tile (gemm).
-    With llama_rounding the activation is first rounded the way llama.cpp's matmul rounds it
-    (kernels.cpu.activations), so greedy output tracks llama.cpp's token for token."""
+Segment = tuple  # (kv: KVView, start_pos: int, n_tokens: int): one sequence's run of new tokens
+
+
+def _row_groups(segments: Sequence[Segment]) -> list[tuple[int, int, bool]]:
+    """Matmul spans (row0, row1, use_gemm) over the batch's rows: consecutive short segments share
+    a row-by-row span; a segment longer than SMALL_BATCH gets its own GEMM. So every sequence's rows
+    go through the same kernels, with the same numbers, whatever else is in the batch."""
+    groups: list[tuple[int, int, bool]] = []
+    row = 0
+    for _, _, n in segments:
+        gemm = n > SMALL_BATCH
+        if groups and not gemm and not groups[-1][2]:
+            groups[-1] = (groups[-1][0], row + n, False)
+        else:
+            groups.append((row, row + n, gemm))
+        row += n
+    return groups
+
+
+def _mm(w: QMatrix, x: np.ndarray, groups: list[tuple[int, int, bool]], llama_rounding: bool) -> np.ndarray:
+    """x (T, K) -> (T, N). Row-by-row spans read W once per row (gemv, W stays in cache after the
+    first); GEMM spans dequantize W tile by tile. With llama_rounding the activation is first
+    rounded the way llama.cpp's matmul rounds it (kernels.cpu.activations), so greedy output
+    tracks llama.cpp's token for token."""
     if llama_rounding:
         x = round_like_llama_cpp(x, w.ggml_type)
-    if x.shape[0] <= SMALL_BATCH:
-        return np.stack([w.gemv(row) for row in x])
-    return w.gemm(x)
+    out = np.empty((x.shape[0], w.n_rows), np.float32)
+    for r0, r1, gemm in groups:
+        if gemm:
+            out[r0:r1] = w.gemm(x[r0:r1])
+        else:
+            for r in range(r0, r1):
+                out[r] = w.gemv(x[r])
+    return out
 
 
 class Block:
@@ -154,14 +179,12 @@ class Block:
         self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
         self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
 
-    def mm(self, w: QMatrix, x: np.ndarray) -> np.ndarray:
-        return _mm(w, x, self.llama_rounding)
-
-    def attention(self, x: np.ndarray, positions: np.ndarray, start_pos: int, kv: KVView) -> np.ndarray:
+    def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], groups) -> np.ndarray:
         cfg = self.cfg
         T, hd = x.shape[0], cfg.head_dim
+        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding)          # noqa: E731
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)                      # (T, D)
-        q, k, v = self.mm(self.wq, h), self.mm(self.wk, h), self.mm(self.wv, h)  # (T, Hq*hd), (T, Hkv*hd) x2
+        q, k, v = mm(self.wq, h), mm(self.wk, h), mm(self.wv, h)          # (T, Hq*hd), (T, Hkv*hd) x2
         if self.bq is not None:
             q += self.bq
             k += self.bk
@@ -174,31 +197,39 @@ class Block:
             k = rms_norm(k.reshape(-1, hd), self.k_norm, cfg.norm_eps).reshape(T, cfg.n_head_kv, hd)
         q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hq, hd)
         k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hkv, hd)
-        kc, vc = kv.k_cache[self.il], kv.v_cache[self.il]
         if self.llama_rounding:  # llama.cpp keeps K and V in f16 and multiplies K by an f16 copy of Q
             q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
-        write_kv(kc, vc, kv.block_table, start_pos, k, v)
-        if T <= SMALL_BATCH:  # one-token kernels row by row: a speculative check sees decode's numbers
-            o = np.stack([attention_decode(q[i], kc, vc, kv.block_table, start_pos + i + 1, cfg.attn_scale,
-                                           self.window) for i in range(T)])
-        else:
-            o = attention_prefill(q, kc, vc, kv.block_table, start_pos, cfg.attn_scale, self.window)
-        o = self.mm(self.wo, o.reshape(T, cfg.n_head * hd))               # (T, D)
+        o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
+        row = 0
+        for kv, start_pos, n in segments:  # each sequence attends to its own paged cache
+            kc, vc, table = kv.k_cache[self.il], kv.v_cache[self.il], kv.block_table
+            rows = slice(row, row + n)
+            write_kv(kc, vc, table, start_pos, np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows]))
+            if n <= SMALL_BATCH:  # the one-token kernel row by row: a speculative check sees decode's numbers
+                for i in range(n):
+                    o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, cfg.attn_scale,
+                                                  self.window)
+            else:
+                o[rows] = attention_prefill(np.ascontiguousarray(q[rows]), kc, vc, table, start_pos,
+                                            cfg.attn_scale, self.window)
+            row += n
+        o = mm(self.wo, o.reshape(T, cfg.n_head * hd))                    # (T, D)
         if self.post_attn_norm is not None:
             o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
         return o
 
-    def ffn(self, x: np.ndarray) -> np.ndarray:
+    def ffn(self, x: np.ndarray, groups) -> np.ndarray:
+        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding)          # noqa: E731
         h = rms_norm(x, self.ffn_norm, self.cfg.norm_eps)                  # (T, D)
-        a = self.act(self.mm(self.w_gate, h), self.mm(self.w_up, h))      # (T, n_ff)
-        o = self.mm(self.w_down, a)                                       # (T, D)
+        a = self.act(mm(self.w_gate, h), mm(self.w_up, h))                # (T, n_ff)
+        o = mm(self.w_down, a)                                            # (T, D)
         if self.post_ffn_norm is not None:
             o = rms_norm(o, self.post_ffn_norm, self.cfg.norm_eps)
         return o
 
-    def __call__(self, x, positions, start_pos, kv):
-        x = x + self.attention(x, positions, start_pos, kv)
-        return x + self.ffn(x)
+    def __call__(self, x, positions, segments, groups):
+        x = x + self.attention(x, positions, segments, groups)
+        return x + self.ffn(x, groups)
 
 
 class Decoder:
@@ -235,18 +266,38 @@ class Decoder:
         """tokens (T,) at positions start_pos.. whose cache slots `kv` already holds ->
         logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        T = tokens.shape[0]
-        positions = np.arange(start_pos, start_pos + T, dtype=np.int64)
+        x = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0])])
+        if not all_logits:
+            x = x[-1:]
+        logits = self._logits(x)                                          # (T or 1, n_vocab)
+        return logits if all_logits else logits[0]
+
+    def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+        """Several sequences in one pass (continuous batching): tokens (T,) in segment order, each
+        segment (kv, start_pos, n_tokens) with its slots already held. Returns (len(segments), n_vocab),
+        each segment's last-token logits, equal to what forward() gives for it alone."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        segments = [(kv, int(s), int(n)) for kv, s, n in segments]
+        if sum(n for _, _, n in segments) != tokens.shape[0] or any(n < 1 for _, _, n in segments):
+            raise ValueError("segments must cover the tokens, each with at least one")
+        x = self._hidden(tokens, segments)
+        return self._logits(x[np.cumsum([n for _, _, n in segments]) - 1])
+
+    def _hidden(self, tokens: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        """Embedding and every block: (T,) -> (T, D)."""
+        positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for _, s, n in segments])
+        groups = _row_groups(segments)
         x = self.tok_embd.rows(tokens)                                    # (T, D)
         if self.cfg.embed_scale != 1.0:
             x *= np.float32(self.cfg.embed_scale)
         for block in self.blocks:
-            x = block(x, positions, start_pos, kv)
-        if not all_logits:
-            x = x[-1:]
+            x = block(x, positions, segments, groups)
+        return x
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        """(R, D) -> (R, n_vocab), one row at a time (the output matrix is the largest one)."""
         x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
-        logits = _mm(self.output, x, self.llama_rounding)                 # (T or 1, n_vocab)
-        return logits if all_logits else logits[0]
+        return _mm(self.output, x, [(0, x.shape[0], x.shape[0] > SMALL_BATCH)], self.llama_rounding)
 
 
 def load_model(g: GGUFFile, progress=None) -> Decoder:
@@ -260,3 +311,4 @@ def load_model(g: GGUFFile, progress=None) -> Decoder:
     else:
         raise BadInputError(f"the native engine does not run architecture '{g.arch}'")
     return Decoder(Config.from_gguf(g), g, progress)
+

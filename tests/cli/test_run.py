@@ -193,3 +193,24 @@ def test_bench_json_rows(qwen_path):
         assert r["backend"] == "llama.cpp" and r["n"] == 2 and r["t_s_mean"] > 0
     tg = next(r for r in rows if r["test"] == "tg8")
     assert tg["gb_s"] == pytest.approx(tg["t_s_mean"] * 0.392, rel=0.05)
+
+
+def test_batch_cli_writes_every_answer_and_resumes(qwen_path, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    answers = tmp_path / "answers.jsonl"
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"What is {i} + {i}? Answer with a number.", "max_tokens": 8})
+             for i in range(5)]
+    lines.insert(2, "{not json")
+    prompts.write_text("\n".join(lines) + "\n")
+    out = run_kvchat("batch", str(prompts), "-o", str(answers), "--temperature", "0", "--parallel", "3")
+    assert out.returncode == 0, out.stderr.decode()
+    records = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert sorted(r["id"] for r in records if "error" not in r) == [f"q{i}" for i in range(5)]
+    assert sum("error" in r for r in records) == 1
+    assert all(r["tokens"] and r["finish_reason"] in ("stop", "length") for r in records if "error" not in r)
+    with prompts.open("a") as f:
+        f.write(json.dumps({"id": "q9", "prompt": "Say hi."}) + "\n")
+    again = run_kvchat("batch", str(prompts), "-o", str(answers), "--temperature", "0", "--max-tokens", "8")
+    assert again.returncode == 0
+    ids = [json.loads(line)["id"] for line in answers.read_text().splitlines()]
+    assert ids.count("q9") == 1 and ids.count("q0") == 1          # done ids were skipped

@@ -1,0 +1,192 @@
+"""`kvchat batch prompts.jsonl -o answers.jsonl`: many prompts through one model with continuous
+batching (core.batch) on the native engine.
+
+Input, one JSON object a line: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]},
+with optional sampling fields (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens,
+stop) over the command line's defaults. Output, one line per id, written and flushed as soon as it
+finishes: {"id", "text", "tokens", "finish_reason", "timings"}, or {"id", "error"} for a line that
+cannot run (the id, or the line number when there is none). Ids already in the output file are
+skipped, so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from models.errors import BadInputError
+
+SAMPLING_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
+                   "seed": int, "max_tokens": int}
+
+
+def add_batch_parser(subparsers) -> argparse.ArgumentParser:
+    from core.batch import DEFAULT_PARALLEL
+    from core.engine import DEFAULT_CTX
+    from models.registry import DEFAULT_MODEL
+    p = subparsers.add_parser("batch", help="many prompts from a JSONL file, continuously batched (native engine)")
+    p.add_argument("input", help="JSONL file of {id, prompt | messages, sampling fields...}; '-' reads stdin")
+    p.add_argument("-o", "--output", required=True, help="JSONL answers (appended; ids already there are skipped)")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
+    p.add_argument("--backend", default="native", help="inference engine (only native batches)")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context per sequence in tokens (default: {DEFAULT_CTX})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
+                   help=f"most sequences decoded together (default: {DEFAULT_PARALLEL})")
+    p.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default: 512)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0 = off (default: 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default: 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default: 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default: 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); never printed")
+    return p
+
+
+def _default_params(args):
+    from core.backend import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=tuple(args.stop)).validate()
+
+
+def line_params(obj: dict, base):
+    """The request's SamplingParams: the line's fields over the command line's. BadInputError if bad."""
+    changes = {}
+    for name, kind in SAMPLING_FIELDS.items():
+        if name not in obj or obj[name] is None:
+            continue
+        value = obj[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (kind is int and not float(value).is_integer()) or not math.isfinite(value):
+            raise BadInputError(f"{name} must be a number, got {value!r}")
+        changes[name] = kind(value)
+    if "stop" in obj and obj["stop"] is not None:
+        stop = obj["stop"]
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadInputError("stop must be a string or a list of strings")
+        changes["stop"] = tuple(stop)
+    return dataclasses.replace(base, **changes).validate()
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids (as JSON text, so 1 and "1" differ) of the records already in the output file."""
+    seen: set[str] = set()
+    if not path.exists():
+        return seen
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue    # a line cut short by an interruption: that id runs again
+            if isinstance(rec, dict) and "id" in rec:
+                seen.add(json.dumps(rec["id"]))
+    return seen
+
+
+def parse_lines(lines, engine, base, chat: bool) -> Iterator[tuple[object, list[int] | None, object, str | None]]:
+    """(id, prompt ids, params, error) per non-blank line."""
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield n, None, None, f"line {n}: not JSON ({e.msg})"
+            continue
+        if not isinstance(obj, dict):
+            yield n, None, None, f"line {n}: not a JSON object"
+            continue
+        rid = obj.get("id")
+        if rid is None or isinstance(rid, (dict, list)):
+            yield n, None, None, f"line {n}: missing id"
+            continue
+        try:
+            params = line_params(obj, base)
+            if isinstance(obj.get("messages"), list) and obj["messages"]:
+                msgs = obj["messages"]
+                if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                           for m in msgs):
+                    raise BadInputError("each message needs a role and a content string")
+                msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+            elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
+                msgs = [{"role": "user", "content": obj["prompt"]}]
+            else:
+                raise BadInputError("needs a non-empty prompt or messages")
+            ids = engine.prompt_ids(msgs, chat)
+        except BadInputError as e:
+            yield rid, None, None, str(e)
+            continue
+        yield rid, ids, params, None
+
+
+def cmd_batch(args) -> int:
+    from app.progress import stderr_progress
+    from core.batch import BatchRequest, BatchResult, BatchScheduler
+    from core.engine import Engine
+
+    if args.backend != "native":
+        raise BadInputError(f"batch runs on the native backend only (not {args.backend})")
+    if args.parallel < 1:
+        raise BadInputError("--parallel must be >= 1")
+    base = _default_params(args)
+    if args.input == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        src = Path(args.input)
+        if not src.is_file():
+            raise BadInputError(f"no such input file: {args.input}")
+        try:
+            lines = src.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise BadInputError(f"{args.input} is not valid UTF-8 (byte {e.start})") from None
+    out_path = Path(args.output)
+    skip = done_ids(out_path)
+    with stderr_progress() as progress:
+        engine = Engine(args.model, backend="native", n_ctx=args.ctx, threads=args.threads, progress=progress)
+    chat = not args.no_chat and engine.has_chat_template
+    if not args.no_chat and not engine.has_chat_template:
+        sys.stderr.write(f"kvchat: note: {engine.model_name} has no chat template; using plain completion\n")
+    parsed = [p for p in parse_lines(lines, engine, base, chat) if json.dumps(p[0]) not in skip]
+    scheduler = BatchScheduler(engine.backend, args.parallel)
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=Console(file=sys.stderr))
+    n_err = n_tok = 0
+    import time
+    t0 = time.perf_counter()
+    with open(out_path, "a", encoding="utf-8") as out, bar:
+        task = bar.add_task("batch", total=len(parsed), rate="")
+
+        def write(res: BatchResult) -> None:
+            nonlocal n_err, n_tok
+            out.write(json.dumps(res.as_record(), ensure_ascii=False) + "\n")
+            out.flush()
+            n_err += res.error is not None
+            n_tok += len(res.tokens)
+            rate = f"{n_tok / max(time.perf_counter() - t0, 1e-9):.1f} tok/s"
+            bar.update(task, advance=1, rate=rate)
+
+        def requests():
+            for rid, ids, params, err in parsed:
+                if err is not None:
+                    write(BatchResult(rid, error=err))
+                else:
+                    yield BatchRequest(rid, ids, params)
+
+        for res in scheduler.results(requests()):
+            write(res)
+    dt = time.perf_counter() - t0
+    sys.stderr.write(f"[{len(parsed)} requests ({len(skip)} already done, {n_err} errors) | {n_tok} tokens in "
+                     f"{dt:.1f} s, {n_tok / dt if dt > 0 else 0:.1f} tok/s | {scheduler.steps} steps]\n")
+    return 0

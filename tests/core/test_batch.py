@@ -1,0 +1,117 @@
+"""Continuous batching (core.batch, app.batch_cmd) on the real default model."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from core.backend import SamplingParams
+from core.batch import BatchRequest, BatchScheduler
+from models.errors import BadInputError
+
+MODEL = "qwen2.5-coder-0.5b-instruct"
+PROMPTS = ["What is 2+2?", "Name three colors.", "def fib(n):", "Write a haiku about rust.", "Say hi."]
+# over SMALL_BATCH (64) tokens: its prefill takes the GEMM path, in the same steps as others' decode rows
+LONG = ("Explain what this function does, briefly:\n\ndef merge(a, b):\n    out = []\n    i = j = 0\n"
+        "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n"
+        "        else:\n            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n")
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_path):
+    from core.engine import Engine
+    e = Engine(MODEL, backend="native", n_ctx=512, threads=2)
+    yield e
+    e.close()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_greedy_batch_matches_each_alone(engine):
+    params = greedy(12)
+    prompts = PROMPTS[:3] + [LONG]
+    assert len(engine.prompt_ids(LONG)) > 64
+    alone = {}
+    for i, p in enumerate(prompts):
+        events = list(engine.generate(engine.prompt_ids(p), params))
+        alone[i] = ([e.id for e in events if e.id >= 0], "".join(e.text for e in events), engine.backend.finish_reason)
+    sched = BatchScheduler(engine.backend, parallel=3)
+    got = {r.id: r for r in sched.results(BatchRequest(i, engine.prompt_ids(p), params)
+                                          for i, p in enumerate(prompts))}
+    for i, (tokens, text, reason) in alone.items():
+        assert got[i].tokens == tokens, prompts[i]
+        assert got[i].text == text
+        assert got[i].finish_reason == reason
+        assert got[i].timings.prompt_n + got[i].timings.cache_n == len(engine.prompt_ids(prompts[i]))
+    # the chat template's shared system prefix is reused from registered blocks by later requests
+    assert max(r.timings.cache_n for r in got.values()) >= 16
+
+
+def test_requests_join_in_flight(engine):
+    events = []
+    sched = BatchScheduler(engine.backend, parallel=2)
+    reqs = [BatchRequest(i, engine.prompt_ids(p), greedy(2 if i == 0 else 6)) for i, p in enumerate(PROMPTS)]
+    for r in sched.results(reqs, on_start=lambda req: events.append(("start", req.id))):
+        events.append(("end", r.id))
+    assert sorted(e[1] for e in events if e[0] == "end") == list(range(5))
+    # request 2 starts as soon as request 0 leaves, while request 1 (the first batch) still runs
+    assert events.index(("end", 0)) < events.index(("start", 2)) < events.index(("end", 1))
+    assert all(sum(1 for e in events[:k] if e[0] == "start") - sum(1 for e in events[:k] if e[0] == "end") <= 2
+               for k in range(len(events) + 1))
+
+
+def test_stop_string_and_bad_params(engine):
+    sched = BatchScheduler(engine.backend, parallel=4)
+    ids = engine.prompt_ids("What is 2+2?")
+    alone = "".join(e.text for e in engine.generate(ids, greedy(12)))
+    stop = alone.split()[1]
+    res = {r.id: r for r in sched.results([BatchRequest("s", ids, greedy(12, stop=(stop,))),
+                                           BatchRequest("bad", ids, SamplingParams(top_p=0)),
+                                           BatchRequest("long", list(range(600)), greedy(4))])}
+    assert res["s"].finish_reason == "stop" and stop not in res["s"].text
+    assert alone.startswith(res["s"].text)
+    assert "top-p" in res["bad"].error
+    assert "context" in res["long"].error
+
+
+def _args(tmp_path, *extra):
+    from app.batch_cmd import add_batch_parser
+    parser = argparse.ArgumentParser()
+    add_batch_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["batch", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "-m", MODEL,
+                              "--ctx", "512", "--threads", "2", "--temperature", "0", "--max-tokens", "6", *extra])
+
+
+def test_cmd_batch_errors_and_resume(engine, tmp_path):
+    from app.batch_cmd import cmd_batch
+    lines = [json.dumps({"id": "a", "prompt": "What is 2+2?"}),
+             "{not json",
+             json.dumps({"prompt": "no id"}),
+             json.dumps({"id": "b", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3}),
+             json.dumps({"id": "c", "prompt": "Name three colors.", "temperature": "hot"})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    assert cmd_batch(_args(tmp_path, "--parallel", "2")) == 0
+    recs = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs}
+    assert set(by_id) == {"a", 2, 3, "b", "c"}
+    assert "error" in by_id[2] and "error" in by_id[3] and "temperature" in by_id["c"]["error"]
+    assert by_id["b"]["timings"]["predicted_n"] <= 3 and by_id["b"]["finish_reason"] in ("stop", "length")
+    ids = engine.prompt_ids("What is 2+2?")
+    assert by_id["a"]["tokens"] == [e.id for e in engine.generate(ids, greedy(6)) if e.id >= 0]
+    assert set(by_id["a"]["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "ttft_ms", "cache_n"}
+    # resume: only the new id runs; nothing already written is repeated
+    with open(tmp_path / "in.jsonl", "a") as f:
+        f.write(json.dumps({"id": "d", "prompt": "Say hi."}) + "\n")
+    assert cmd_batch(_args(tmp_path)) == 0
+    recs2 = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert recs2[:len(recs)] == recs and [r["id"] for r in recs2[len(recs):]] == ["d"]
+
+
+def test_unsupported_backend(engine, tmp_path):
+    from app.batch_cmd import cmd_batch
+    (tmp_path / "in.jsonl").write_text("")
+    with pytest.raises(BadInputError, match="native"):
+        cmd_batch(_args(tmp_path, "--backend", "llama.cpp"))
