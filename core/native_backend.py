@@ -11,6 +11,7 @@ import numpy as np
 
 from core.backend import Backend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from core.paths import cache_dir
 from core.tokenizer import Tokenizer
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
@@ -39,7 +40,9 @@ class NativeBackend(Backend):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self._threads = threads
         self.progress = progress or _stderr_progress
-        self.model = load_model(gguf, self.progress)
+        st = gguf.path.stat()
+        weights_cache = cache_dir() / "weights" / f"{gguf.path.stem}-{st.st_size}-{st.st_mtime_ns}-v1"
+        self.model = load_model(gguf, self.progress, weights_cache)
         cfg = self.model.cfg
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")

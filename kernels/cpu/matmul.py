@@ -562,7 +562,7 @@ class QMatrix:
     # tiles shrink the GEMM N dimension and lose oneDNN efficiency.
     TILE_ELEMS = 1 << 22
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int):
+    def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, tiles: np.ndarray | None = None):
         ggml_type = int(ggml_type)
         if ggml_type not in SUPPORTED_TYPES:
             raise NotImplementedError(f"ggml type {TYPE_NAMES.get(ggml_type, ggml_type)} is not supported")
@@ -573,7 +573,13 @@ class QMatrix:
         # gemv's own layout (TILE16_TYPES). Those types keep no second copy: gemm and rows() repack
         # slices of the memory-mapped GGUF data on the fly, and the per-field layout the float
         # fallback needs is only built if that fallback ever runs.
-        self.tiles = _TILE16[ggml_type][0](raw, self.n_cols) if ggml_type in TILE16_TYPES else None
+        # `tiles` may come from an earlier load (the models layer caches them on disk).
+        if ggml_type not in TILE16_TYPES:
+            self.tiles = None
+        elif tiles is not None:
+            self.tiles = np.asarray(tiles)
+        else:
+            self.tiles = _TILE16[ggml_type][0](raw, self.n_cols)
         self._packed = None if self.tiles is not None else repack(raw, ggml_type, self.n_cols)
         n_rows_held = raw.shape[0] if raw.ndim == 2 else self.packed[0].shape[0]
         if n_rows_held != self.n_rows:
