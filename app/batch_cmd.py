@@ -38,22 +38,14 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
                    help=f"most sequences decoded together (default: {DEFAULT_PARALLEL})")
     p.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default: 512)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="0 = off (default: 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default: 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default: 0.05)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default: 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); never printed")
+    from app.cli import _add_sampling_args
+    _add_sampling_args(p)   # the same sampling flags as `run`; a line's own fields override them
     return p
 
 
 def _default_params(args):
-    from core.backend import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                          stop=tuple(args.stop)).validate()
+    from app.cli import sampling_from_args
+    return sampling_from_args(args)
 
 
 def line_params(obj: dict, base):
