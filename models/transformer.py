@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from kernels.cpu.matmul import TILE16_TYPES
+from kernels.cpu.matmul import TILE16_TYPES, VEC_DOT_KIND, Int8Rows
 from kernels.cpu import QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, swiglu, write_kv
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
 from models.errors import BadInputError
@@ -162,11 +162,24 @@ def _row_groups(segments: Sequence[Segment]) -> list[tuple[int, int, bool]]:
     return groups
 
 
-def _mm(w: QMatrix, x: np.ndarray, groups: list[tuple[int, int, bool]], llama_rounding: bool) -> np.ndarray:
-    """x (T, K) -> (T, N). Row-by-row spans read W once per row (gemv, W stays in cache after the
-    first); GEMM spans dequantize W tile by tile. With llama_rounding the activation is first
-    rounded the way llama.cpp's matmul rounds it (kernels.cpu.activations), so greedy output
-    tracks llama.cpp's token for token."""
+def _mm(w: QMatrix, x: np.ndarray, groups: list[tuple[int, int, bool]], llama_rounding: bool,
+        shared: dict | None = None) -> np.ndarray:
+    """x (T, K) -> (T, N).
+
+    With llama_rounding (the default) x is quantized the way llama.cpp's matmul quantizes it
+    (q8_0 / q8_K), so greedy output tracks llama.cpp's token for token. Types with int8 tile
+    kernels then run all T rows in one pass that reads W once (each row's result independent of
+    the others); `shared` keeps the quantized x for the next matrix that reads the same x.
+    Otherwise, row-by-row spans read W once per row (gemv, W stays in cache after the first) and
+    GEMM spans dequantize W tile by tile."""
+    if llama_rounding and w.tiles is not None:
+        kind = VEC_DOT_KIND[w.ggml_type]
+        rows = shared.get(kind) if shared is not None else None
+        if rows is None:
+            rows = Int8Rows(np.ascontiguousarray(x, np.float32), kind)
+            if shared is not None:
+                shared[kind] = rows
+        return w.matmul_int8(rows)
     if llama_rounding:
         x = round_like_llama_cpp(x, w.ggml_type)
     out = np.empty((x.shape[0], w.n_rows), np.float32)
@@ -202,8 +215,9 @@ class Block:
     def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], groups) -> np.ndarray:
         cfg = self.cfg
         T, hd = x.shape[0], cfg.head_dim
-        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding)          # noqa: E731
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)                      # (T, D)
+        shared: dict = {}                                                  # h quantized once for q, k, v
+        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding, shared if a is h else None)  # noqa: E731
         q, k, v = mm(self.wq, h), mm(self.wk, h), mm(self.wv, h)          # (T, Hq*hd), (T, Hkv*hd) x2
         if self.bq is not None:
             q += self.bq
@@ -239,8 +253,9 @@ class Block:
         return o
 
     def ffn(self, x: np.ndarray, groups) -> np.ndarray:
-        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding)          # noqa: E731
         h = rms_norm(x, self.ffn_norm, self.cfg.norm_eps)                  # (T, D)
+        shared: dict = {}                                                  # h quantized once for gate, up
+        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding, shared if a is h else None)  # noqa: E731
         a = self.act(mm(self.w_gate, h), mm(self.w_up, h))                # (T, n_ff)
         o = mm(self.w_down, a)                                            # (T, D)
         if self.post_ffn_norm is not None:

@@ -22,8 +22,9 @@ from numba import njit, prange
 from kernels.cpu.ops import serial_twin
 from kernels.cpu.quant import (
     BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-    HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, q4_k_tile16, q5_0_tile16, q6_k_tile16,
-    repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, round_f16,
+    HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, TILE_MR,
+    q4_k_tile16, q4_k_tile16_mr, q5_0_tile16, q5_0_tile16_mr, q6_k_tile16, q6_k_tile16_mr, q8_0_tile16, q8_0_tile16_mr,
+    repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, repack_q8_0_tiles, round_f16,
 )
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -401,97 +402,191 @@ def _gemv_q4_k_q8(d, dmin, sc, mn, qs, xq, dx, bsum32, out):
             out[r] = tot
 
 
-@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
-def _quantize_q8_0(x, xq, dx, sxq, off):
-    """x (K,) -> int8 xq in 32-blocks with f16-rounded scales dx, exactly as llama.cpp's q8_0
-    (so an activation already rounded by activations.round_like_llama_cpp comes back unchanged),
-    and sxq = off * per-block sums of xq."""
-    for b in range(dx.shape[0]):
-        amax = _F0
-        for i in range(32):
-            amax = max(amax, abs(x[b * 32 + i]))
-        idv = np.float32(127.0) / amax if amax > 0 else _F0
-        s = 0
-        for i in range(32):
-            q = np.int32(np.rint(x[b * 32 + i] * idv))
-            xq[b * 32 + i] = q
-            s += q
-        dx[b] = round_f16(amax / np.float32(127.0))
-        sxq[b] = off * s
+# --- int8-activation kernels on 16-row tiles (AVX-512 VNNI) ----------------------------------
+# The activation rows are quantized exactly as llama.cpp's CPU matmul quantizes them (its "vec_dot
+# type"): q8_0 (32-blocks, f16 scale) against Q5_0 / Q8_0, q8_K (256-blocks, f32 scale) against the
+# K-quants. The quantizers are compiled without fastmath so the rounding is bit-for-bit llama.cpp's
+# (tests compare them with activations.round_like_llama_cpp).
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_rows_q8_0(x, xq, dx, sxq, off):
+    """x (M, K) -> int8 xq (M, K), scales dx (M, K/32) (f16-rounded, as llama.cpp's quantize_row_q8_0)
+    and sxq = off * per-block sums of xq (the weight type's offset folded into the integer dot)."""
+    for m in prange(x.shape[0]):
+        for b in range(dx.shape[1]):
+            amax = np.float32(0.0)
+            for i in range(32):
+                amax = max(amax, abs(x[m, b * 32 + i]))
+            idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            s = 0
+            for i in range(32):
+                q = np.int32(np.rint(x[m, b * 32 + i] * idv))
+                xq[m, b * 32 + i] = q
+                s += q
+            dx[m, b] = round_f16(amax / np.float32(127.0))
+            sxq[m, b] = off * s
 
 
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _gemv_q5_0_t16(tiles, x, out):
-    """Q5_0 tiles (quant.repack_q5_0_tiles) x q8_0 activations -> out (16 * n_tiles,). Only for
-    x that q8_0 represents exactly (llama.cpp-rounded activations): returns False otherwise."""
-    nb = x.shape[0] // 32
-    xq = np.empty(nb * 32, np.int8)
-    dx = np.empty(nb, np.float32)
-    sxq = np.empty(nb, np.int32)
-    _quantize_q8_0(x, xq, dx, sxq, -16)
-    for i in range(nb * 32):  # x off the q8_0 grid (exact float mode): caller uses the float kernel
-        if xq[i] * dx[i // 32] != x[i]:
-            return False
-    xq32 = xq.view(np.int32)
-    for t in prange(tiles.shape[0]):
-        q5_0_tile16(tiles, t, xq32, dx, sxq, out)
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_rows_q8_k(x, xq, dx, bsum32, bsum16):
+    """x (M, K) -> llama.cpp's q8_K (quantize_row_q8_K_ref): per 256 elements the signed value of
+    largest magnitude maps to -127; int8 xq (M, K), scales dx (M, K/256), bsum32 = per-32 sums of xq
+    (Q4_K minimums), bsum16 = -32 * per-16 sums (the Q6_K offset)."""
+    for m in prange(x.shape[0]):
+        for b in range(dx.shape[1]):
+            amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            for i in range(256):
+                v = x[m, b * 256 + i]
+                if abs(v) > amax:
+                    amax = abs(v)
+                    vmax = v
+            if amax == 0:
+                dx[m, b] = 0.0
+                for i in range(256):
+                    xq[m, b * 256 + i] = 0
+            else:
+                iscale = np.float32(-127.0) / vmax
+                for i in range(256):
+                    xq[m, b * 256 + i] = min(127, np.int32(np.rint(iscale * x[m, b * 256 + i])))
+                dx[m, b] = np.float32(1.0) / iscale
+            for j in range(16):
+                s = 0
+                for i in range(16):
+                    s += xq[m, b * 256 + 16 * j + i]
+                bsum16[m, b * 16 + j] = -32 * s
+            for j in range(8):
+                bsum32[m, b * 8 + j] = -(bsum16[m, b * 16 + 2 * j] + bsum16[m, b * 16 + 2 * j + 1]) // 32
+
+
+@njit(cache=True, error_model="numpy")
+def _on_grid(x, xq, dx, blk, tol):
+    """Is x (M, K) what its quantization (xq, dx per blk elements) dequantizes back to (within
+    tol * step)? An exact float32 x (set_llama_rounding(False), tests) is not: it takes the float kernels."""
+    for m in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            d = dx[m, i // blk]
+            if abs(np.float32(xq[m, i]) * d - x[m, i]) > tol * abs(d):
+                return False
     return True
 
 
-_gemv_q5_0_t16_serial = serial_twin(_gemv_q5_0_t16)
+# rows kernels: out (M, 16 * n_tiles) = int8 rows (xq32, dx, sums) x tiles; rows go TILE_MR at a
+# time through one decode of each weight block, the remainder one by one.
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _rows_q5_0(tiles, xq32, dx, sums, out):
+    M = xq32.shape[0]
+    for t in prange(tiles.shape[0]):
+        m = 0
+        while m + TILE_MR <= M:
+            q5_0_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            m += TILE_MR
+        while m < M:
+            q5_0_tile16(tiles, t, m, xq32, dx, sums, out)
+            m += 1
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _gemv_q4_k_t16(tiles, x, out):
-    """Q4_K tiles (quant.repack_q4_k_tiles) x int8 activations (per-256 scale) -> out."""
-    K = x.shape[0]
-    xq = np.empty(K, np.int8)
-    dx = np.empty(K // 256, np.float32)
-    bsum32 = np.empty(K // 32, np.int32)
-    _quantize_q8k(x, xq, dx, bsum32)
-    xq32 = xq.view(np.int32)
+def _rows_q8_0(tiles, xq32, dx, sums, out):
+    M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
-        q4_k_tile16(tiles, t, xq32, dx, bsum32, out)
-    return True  # Q4_K takes int8 activations always (INT8_ACTIVATION_TYPES)
-
-
-_gemv_q4_k_t16_serial = serial_twin(_gemv_q4_k_t16)
+        m = 0
+        while m + TILE_MR <= M:
+            q8_0_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            m += TILE_MR
+        while m < M:
+            q8_0_tile16(tiles, t, m, xq32, dx, sums, out)
+            m += 1
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _gemv_q6_k_t16(tiles, x, out):
-    """Q6_K tiles (quant.repack_q6_k_tiles) x int8 activations (per-256 scale) -> out. Only for x
-    on the q8_K grid (llama.cpp-rounded activations): returns False otherwise."""
-    K = x.shape[0]
-    xq = np.empty(K, np.int8)
-    dx = np.empty(K // 256, np.float32)
-    bsum32 = np.empty(K // 32, np.int32)
-    _quantize_q8k(x, xq, dx, bsum32)
-    bsum16 = np.empty(K // 16, np.int32)
-    for i in range(K // 16):
-        s = 0
-        for j in range(16):
-            s += xq[16 * i + j]
-        bsum16[i] = -32 * s
-    for i in range(K):  # x off the q8_K grid (exact float mode; 1e-3 step covers ulp noise)
-        if abs(xq[i] * dx[i // 256] - x[i]) > np.float32(1e-3) * dx[i // 256]:
-            return False
-    xq32 = xq.view(np.int32)
+def _rows_q4_k(tiles, xq32, dx, sums, out):
+    M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
-        q6_k_tile16(tiles, t, xq32, dx, bsum16, out)
-    return True
+        m = 0
+        while m + TILE_MR <= M:
+            q4_k_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            m += TILE_MR
+        while m < M:
+            q4_k_tile16(tiles, t, m, xq32, dx, sums, out)
+            m += 1
 
 
-_gemv_q6_k_t16_serial = serial_twin(_gemv_q6_k_t16)
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _rows_q6_k(tiles, xq32, dx, sums, out):
+    M = xq32.shape[0]
+    for t in prange(tiles.shape[0]):
+        m = 0
+        while m + TILE_MR <= M:
+            q6_k_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            m += TILE_MR
+        while m < M:
+            q6_k_tile16(tiles, t, m, xq32, dx, sums, out)
+            m += 1
+
+
+_quantize_rows_q8_0_serial = serial_twin(_quantize_rows_q8_0)
+_quantize_rows_q8_k_serial = serial_twin(_quantize_rows_q8_k)
+
+
+def quantize_q8_0(x: np.ndarray, offset: int):
+    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/32), offset * block sums) as llama.cpp's q8_0."""
+    M, K = x.shape
+    xq = np.empty((M, K), np.int8)
+    dx = np.empty((M, K // 32), np.float32)
+    sums = np.empty((M, K // 32), np.int32)
+    (_quantize_rows_q8_0 if M > 1 else _quantize_rows_q8_0_serial)(x, xq, dx, sums, offset)
+    return xq, dx, sums
+
+
+def quantize_q8_k(x: np.ndarray):
+    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/256), bsum32, bsum16) as llama.cpp's q8_K."""
+    M, K = x.shape
+    xq = np.empty((M, K), np.int8)
+    dx = np.empty((M, K // 256), np.float32)
+    bsum32 = np.empty((M, K // 32), np.int32)
+    bsum16 = np.empty((M, K // 16), np.int32)
+    (_quantize_rows_q8_k if M > 1 else _quantize_rows_q8_k_serial)(x, xq, dx, bsum32, bsum16)
+    return xq, dx, bsum32, bsum16
+
+
+class Int8Rows:
+    """Activation rows quantized for one vec-dot type ("q8_0" or "q8_K"), shared by every matrix
+    that reads the same x (q/k/v, gate/up)."""
+
+    def __init__(self, x: np.ndarray, kind: str):
+        self.x, self.kind = x, kind
+        if kind == "q8_0":
+            self.xq, self.dx, self.sums = quantize_q8_0(x, 1)  # sums of xq; times the type's offset below
+        else:
+            self.xq, self.dx, self.bsum32, self.bsum16 = quantize_q8_k(x)
+
+    def args(self, ggml_type: int):
+        xq32 = self.xq.view(np.int32)
+        if ggml_type == Q5_0:
+            return xq32, self.dx, self.sums * np.int32(-16)
+        if ggml_type == Q8_0:
+            return xq32, self.dx, self.sums * np.int32(-128)
+        if ggml_type == Q4_K:
+            return xq32, self.dx, self.bsum32
+        return xq32, self.dx, self.bsum16
+
+    def on_grid(self) -> bool:
+        blk, tol = (32, 0.0) if self.kind == "q8_0" else (256, 1e-3)
+        return bool(_on_grid(self.x, self.xq, self.dx, blk, tol))
+
+
 # Types with a 16-row tile kernel (int8 activations; AVX-512 VNNI only): 2-5x the float kernels.
-# Q5_0 / Q6_K take it only when x is exactly on llama.cpp's q8_0 / q8_K grid (the models layer
-# rounds activations so by default), so their results keep float-activation accuracy; an exact
-# float32 x (set_llama_rounding(False), tests) falls back to the float kernels.
-TILE16_TYPES = frozenset({Q5_0, Q4_K, Q6_K}) if HAS_VNNI else frozenset()
+# With llama.cpp rounding (the models layer's default) x is quantized as llama.cpp does and these
+# kernels always run; an exact float32 x takes them only where it is already on the int8 grid
+# (Q4_K takes int8 activations always, INT8_ACTIVATION_TYPES), else the float kernels.
+TILE16_TYPES = frozenset({Q5_0, Q8_0, Q4_K, Q6_K}) if HAS_VNNI else frozenset()
+VEC_DOT_KIND = {Q5_0: "q8_0", Q8_0: "q8_0", Q4_K: "q8_K", Q6_K: "q8_K"}
 _TILE16 = {
-    Q5_0: (repack_q5_0_tiles, _gemv_q5_0_t16, _gemv_q5_0_t16_serial),
-    Q4_K: (repack_q4_k_tiles, _gemv_q4_k_t16, _gemv_q4_k_t16_serial),
-    Q6_K: (repack_q6_k_tiles, _gemv_q6_k_t16, _gemv_q6_k_t16_serial),
+    Q5_0: (repack_q5_0_tiles, _rows_q5_0, serial_twin(_rows_q5_0)),
+    Q8_0: (repack_q8_0_tiles, _rows_q8_0, serial_twin(_rows_q8_0)),
+    Q4_K: (repack_q4_k_tiles, _rows_q4_k, serial_twin(_rows_q4_k)),
+    Q6_K: (repack_q6_k_tiles, _rows_q6_k, serial_twin(_rows_q6_k)),
 }
 
 
@@ -609,14 +704,9 @@ class QMatrix:
     def _gemv_into(self, x: np.ndarray, out: np.ndarray) -> None:
         K = self.n_cols
         if self.tiles is not None:
-            _, par, ser = _TILE16[self.ggml_type]
-            kernel = par if self.nbytes >= GEMV_PAR_MIN_BYTES else ser
-            if self.n_rows % 16:
-                tmp = np.empty(self.tiles.shape[0] * 16, np.float32)
-                if kernel(self.tiles, x, tmp):
-                    out[:] = tmp[:self.n_rows]
-                    return
-            elif kernel(self.tiles, x, out):
+            rows = Int8Rows(x[None], VEC_DOT_KIND[self.ggml_type])
+            if self.ggml_type in INT8_ACTIVATION_TYPES or rows.on_grid():
+                out[:] = self.matmul_int8(rows)[0]
                 return
         if self.ggml_type in INT8_ACTIVATION_TYPES:
             xq = np.empty(K, np.int8)
@@ -637,6 +727,17 @@ class QMatrix:
             kernel(self.packed[0], F16_LUT, x, sx16, sx32, out)
         else:
             kernel(*self.packed, x, sx16, sx32, out)
+
+    def matmul_int8(self, rows: Int8Rows) -> np.ndarray:
+        """Quantized activation rows (M, K) -> rows @ W.T (M, N) on the tile kernels (TILE16_TYPES):
+        W is read once for all M rows. With rows quantized from llama.cpp-rounded (or any) x this
+        is llama.cpp's integer matmul, and row m's result does not depend on the other rows."""
+        _, par, ser = _TILE16[self.ggml_type]
+        xq32, dx, sums = rows.args(self.ggml_type)
+        M = xq32.shape[0]
+        out = np.empty((M, self.tiles.shape[0] * 16), np.float32)
+        (par if self.nbytes * M >= GEMV_PAR_MIN_BYTES else ser)(self.tiles, xq32, dx, sums, out)
+        return out if out.shape[1] == self.n_rows else out[:, :self.n_rows]
 
     def gemv(self, x: np.ndarray) -> np.ndarray:
         """x (K,) -> x @ W.T (N,). Decode path, reads W once."""

@@ -99,6 +99,7 @@ i8, i32, f32, f16 = ir.IntType(8), ir.IntType(32), ir.FloatType(), ir.HalfType()
 V16I = ir.VectorType(i32, 16)
 V16F = ir.VectorType(f32, 16)
 V16H = ir.VectorType(f16, 16)
+V16B = ir.VectorType(i8, 16)
 TILE_B_Q5_0 = 352  # bytes per (tile, block): qs 256, qh 64, d 32 (f16)
 
 
@@ -131,58 +132,6 @@ def _shift(builder, v, s):
     return v
 
 
-@intrinsic
-def q5_0_tile16(typingctx, tiles, t, xq32, dx, sxq, out):
-    """out[16t:16t+16] = tile t of a Q5_0 tile matrix (repack_q5_0_tiles) dotted with q8_0
-    activations: xq32 = int8 x viewed as int32 (4 elements each), dx = per-32 scales,
-    sxq = -16 * per-32 sums of int8 x (the Q5_0 offset folded into the integer accumulator)."""
-    sig = types.void(tiles, t, xq32, dx, sxq, out)
-
-    def codegen(context, builder, signature, args):
-        tiles_v, t_v, xq_v, dx_v, sxq_v, out_v = args
-        ta = context.make_array(signature.args[0])(context, builder, tiles_v)
-        xa = context.make_array(signature.args[2])(context, builder, xq_v)
-        da = context.make_array(signature.args[3])(context, builder, dx_v)
-        sa = context.make_array(signature.args[4])(context, builder, sxq_v)
-        oa = context.make_array(signature.args[5])(context, builder, out_v)
-        i64 = ir.IntType(64)
-        nb = builder.extract_value(sa.shape, 0)  # sxq has one entry per block
-        row_bytes = builder.mul(nb, ir.Constant(i64, TILE_B_Q5_0))
-        t64 = builder.sext(t_v, i64) if t_v.type.width < 64 else t_v
-        base = builder.gep(ta.data, [builder.mul(t64, row_bytes)])
-        accp = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
-        m0f = _vconst(V16I, 0x0F0F0F0F)
-        m10 = _vconst(V16I, 0x10101010)
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            p = builder.gep(base, [builder.mul(b, ir.Constant(i64, TILE_B_Q5_0))])
-            hb = _vload(builder, builder.gep(p, [ir.Constant(i64, 256)]), V16I)
-            s0 = builder.load(builder.gep(sa.data, [b]))
-            acc0 = _splat(builder, s0, V16I)
-            acc1 = ir.Constant(V16I, [0] * 16)
-            for g in range(4):
-                v = _vload(builder, builder.gep(p, [ir.Constant(i64, 64 * g)]), V16I)
-                lo = builder.or_(builder.and_(v, m0f), builder.and_(_shift(builder, hb, 4 - 2 * g), m10))
-                hi = builder.or_(builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f),
-                                 builder.and_(_shift(builder, hb, 3 - 2 * g), m10))
-                xi = builder.mul(b, ir.Constant(i64, 8))
-                xlo = builder.load(builder.gep(xa.data, [builder.add(xi, ir.Constant(i64, g))]))
-                xhi = builder.load(builder.gep(xa.data, [builder.add(xi, ir.Constant(i64, 4 + g))]))
-                acc0 = _dpbusd(builder, acc0, lo, _splat(builder, xlo, V16I))
-                acc1 = _dpbusd(builder, acc1, hi, _splat(builder, xhi, V16I))
-            iacc = builder.add(acc0, acc1)
-            dw = builder.fpext(_vload(builder, builder.gep(p, [ir.Constant(i64, 320)]), V16H), V16F)
-            dxb = builder.load(builder.gep(da.data, [b]))
-            scale = builder.fmul(dw, _splat(builder, dxb, V16F))
-            prod = builder.fmul(builder.sitofp(iacc, V16F), scale, flags=("contract",))
-            builder.store(builder.fadd(builder.load(accp), prod, flags=("contract",)), accp)
-        op = builder.gep(oa.data, [builder.mul(t64, ir.Constant(i64, 16))])
-        builder.store(builder.load(accp), builder.bitcast(op, V16F.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def repack_q5_0_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
     """GGUF Q5_0 data (N rows of n_cols) -> (ceil(N/16), nb*352) uint8 tiles (see above);
     rows past N are zero (d = 0). Byte (g, r, j) of a block's qs holds elements 4g+j (low nibble)
@@ -211,129 +160,195 @@ def repack_q5_0_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
 
 
 
-TILE_B_Q4_K = 2368  # bytes per (tile, super-block): qs 2048, sc 128, mn 128, d 32, dmin 32
-V16B = ir.VectorType(i8, 16)
+def _i64(builder, v):
+    i64 = ir.IntType(64)
+    w = v.type.width
+    return builder.sext(v, i64) if w < 64 else (builder.trunc(v, i64) if w > 64 else v)
 
 
-@intrinsic
-def q4_k_tile16(typingctx, tiles, t, xq32, dx, bsum32, out):
-    """out[16t:16t+16] = tile t of a Q4_K tile matrix (repack_q4_k_tiles) dotted with q8_K-style
-    activations: xq32 = int8 x viewed as int32, dx = per-256 scales, bsum32 = per-32 sums of xq."""
-    sig = types.void(tiles, t, xq32, dx, bsum32, out)
+def _c64(v):
+    return ir.Constant(ir.IntType(64), v)
 
-    def codegen(context, builder, signature, args):
-        tiles_v, t_v, xq_v, dx_v, bs_v, out_v = args
-        ta = context.make_array(signature.args[0])(context, builder, tiles_v)
-        xa = context.make_array(signature.args[2])(context, builder, xq_v)
-        da = context.make_array(signature.args[3])(context, builder, dx_v)
-        ba = context.make_array(signature.args[4])(context, builder, bs_v)
-        oa = context.make_array(signature.args[5])(context, builder, out_v)
-        i64 = ir.IntType(64)
-        nb = builder.extract_value(da.shape, 0)
-        t64 = builder.sext(t_v, i64) if t_v.type.width < 64 else t_v
-        base = builder.gep(ta.data, [builder.mul(t64, builder.mul(nb, ir.Constant(i64, TILE_B_Q4_K)))])
-        accp = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
-        m0f = _vconst(V16I, 0x0F0F0F0F)
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            p = builder.gep(base, [builder.mul(b, ir.Constant(i64, TILE_B_Q4_K))])
 
-            def at(off):
-                return builder.gep(p, [ir.Constant(i64, off)])
+def _at2(builder, arr, row, col):
+    """Pointer to element (row, col) of a C-contiguous 2-D array struct."""
+    ncols = builder.extract_value(arr.shape, 1)
+    return builder.gep(arr.data, [builder.add(builder.mul(row, ncols), col)])
 
-            isum = ir.Constant(V16I, [0] * 16)
-            msum = ir.Constant(V16I, [0] * 16)
-            for c in range(4):
-                acc = [ir.Constant(V16I, [0] * 16), ir.Constant(V16I, [0] * 16)]
-                for g in range(8):
-                    v = _vload(builder, at(c * 512 + g * 64), V16I)
-                    for h, qv in enumerate((builder.and_(v, m0f), builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f))):
-                        xi = builder.add(builder.mul(b, ir.Constant(i64, 64)), ir.Constant(i64, c * 16 + h * 8 + g))
-                        xv = builder.load(builder.gep(xa.data, [xi]))
-                        acc[h] = _dpbusd(builder, acc[h], qv, _splat(builder, xv, V16I))
+
+def _tile_kernel(name: str, n_rows: int, body):
+    """An intrinsic kern(tiles, t, m0, xq32, dx, sums, out) that writes out[m0+m, 16t:16t+16] for
+    m < n_rows: tile t of a 16-row tile matrix dotted with int8 activation rows m0.. (xq32: int8 x
+    viewed as int32, (M, K/4); dx: per-block scales (M, nb); sums: the per-type block sums).
+    `body(builder, p, b, rows, xa, da, sa, accs)` emits one block: p points at the block's bytes,
+    it adds each row's float partial into accs[m]. The weights of a block are decoded once and
+    used for all n_rows rows, so several tokens read W once (verify, batch, short prefill); every
+    row gets exactly the float operations the one-row kernel gives it."""
+
+    def kern(typingctx, tiles, t, m0, xq32, dx, sums, out):
+        sig = types.void(tiles, t, m0, xq32, dx, sums, out)
+
+        def codegen(context, builder, signature, args):
+            arr = [context.make_array(signature.args[i])(context, builder, args[i]) if i not in (1, 2) else None
+                   for i in range(7)]
+            ta, xa, da, sa, oa = arr[0], arr[3], arr[4], arr[5], arr[6]
+            t64, m064 = _i64(builder, args[1]), _i64(builder, args[2])
+            nb = builder.extract_value(da.shape, 1)
+            bytes_per_block = ir.Constant(ir.IntType(64), TILE_BYTES[name])
+            base = builder.gep(ta.data, [builder.mul(t64, builder.mul(nb, bytes_per_block))])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(n_rows)]
+            rows = [builder.add(m064, _c64(m)) for m in range(n_rows)]
+            with cgutils.for_range(builder, nb) as loop:
+                p = builder.gep(base, [builder.mul(loop.index, bytes_per_block)])
+                body(builder, p, loop.index, rows, xa, da, sa, accs)
+            col = builder.mul(t64, _c64(16))
+            for m in range(n_rows):
+                builder.store(builder.load(accs[m]), builder.bitcast(_at2(builder, oa, rows[m], col), V16F.as_pointer()),
+                              align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"{name}_tile16_x{n_rows}"
+    return intrinsic(kern)
+
+
+def _acc_add(builder, acc, iacc, scale):
+    """acc += float(iacc) * scale, as one fused multiply-add (llama.cpp's _mm256_fmadd_ps)."""
+    prod = builder.fmul(builder.sitofp(iacc, V16F), scale, flags=("contract",))
+    builder.store(builder.fadd(builder.load(acc), prod, flags=("contract",)), acc)
+
+
+def _q5_0_block(builder, p, b, rows, xa, da, sa, accs):
+    # sums = -16 * per-32 sums of int8 x: the Q5_0 offset, folded into the integer accumulator.
+    m0f, m10 = _vconst(V16I, 0x0F0F0F0F), _vconst(V16I, 0x10101010)
+    hb = _vload(builder, builder.gep(p, [_c64(256)]), V16I)
+    lo, hi = [], []
+    for g in range(4):
+        v = _vload(builder, builder.gep(p, [_c64(64 * g)]), V16I)
+        lo.append(builder.or_(builder.and_(v, m0f), builder.and_(_shift(builder, hb, 4 - 2 * g), m10)))
+        hi.append(builder.or_(builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f),
+                              builder.and_(_shift(builder, hb, 3 - 2 * g), m10)))
+    dw = builder.fpext(_vload(builder, builder.gep(p, [_c64(320)]), V16H), V16F)
+    xi = builder.mul(b, _c64(8))
+    for m, row in enumerate(rows):
+        acc0 = _splat(builder, builder.load(_at2(builder, sa, row, b)), V16I)
+        acc1 = ir.Constant(V16I, [0] * 16)
+        for g in range(4):
+            xlo = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(g))))
+            xhi = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(4 + g))))
+            acc0 = _dpbusd(builder, acc0, lo[g], _splat(builder, xlo, V16I))
+            acc1 = _dpbusd(builder, acc1, hi[g], _splat(builder, xhi, V16I))
+        scale = builder.fmul(dw, _splat(builder, builder.load(_at2(builder, da, row, b)), V16F))
+        _acc_add(builder, accs[m], builder.add(acc0, acc1), scale)
+
+
+def _q8_0_block(builder, p, b, rows, xa, da, sa, accs):
+    # weights stored as q + 128 (unsigned for vpdpbusd); sums = -128 * per-32 sums of int8 x.
+    w = [_vload(builder, builder.gep(p, [_c64(64 * g)]), V16I) for g in range(8)]
+    dw = builder.fpext(_vload(builder, builder.gep(p, [_c64(512)]), V16H), V16F)
+    xi = builder.mul(b, _c64(8))
+    for m, row in enumerate(rows):
+        acc0 = _splat(builder, builder.load(_at2(builder, sa, row, b)), V16I)
+        acc1 = ir.Constant(V16I, [0] * 16)
+        for g in range(4):
+            x0 = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(g))))
+            x1 = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(4 + g))))
+            acc0 = _dpbusd(builder, acc0, w[g], _splat(builder, x0, V16I))
+            acc1 = _dpbusd(builder, acc1, w[4 + g], _splat(builder, x1, V16I))
+        scale = builder.fmul(dw, _splat(builder, builder.load(_at2(builder, da, row, b)), V16F))
+        _acc_add(builder, accs[m], builder.add(acc0, acc1), scale)
+
+
+def _q4_k_block(builder, p, b, rows, xa, da, sa, accs):
+    # sums = per-32 sums of int8 x (for the minimums); dx is per 256.
+    m0f = _vconst(V16I, 0x0F0F0F0F)
+    zero = ir.Constant(V16I, [0] * 16)
+    isum = [zero] * len(rows)
+    msum = [zero] * len(rows)
+    for c in range(4):
+        acc = [[zero, zero] for _ in rows]
+        for g in range(8):
+            v = _vload(builder, builder.gep(p, [_c64(c * 512 + g * 64)]), V16I)
+            qv = (builder.and_(v, m0f), builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f))
+            for m, row in enumerate(rows):
                 for h in range(2):
-                    j = 2 * c + h
-                    sc = builder.zext(_vload(builder, at(2048 + j * 16), V16B), V16I)
-                    isum = builder.add(isum, builder.mul(acc[h], sc))
-                    mn = builder.zext(_vload(builder, at(2176 + j * 16), V16B), V16I)
-                    bs = builder.load(builder.gep(ba.data, [builder.add(builder.mul(b, ir.Constant(i64, 8)), ir.Constant(i64, j))]))
-                    msum = builder.add(msum, builder.mul(mn, _splat(builder, bs, V16I)))
-            d = builder.fpext(_vload(builder, at(2304), V16H), V16F)
-            dmin = builder.fpext(_vload(builder, at(2336), V16H), V16F)
-            dxb = _splat(builder, builder.load(builder.gep(da.data, [b])), V16F)
-            part = builder.fsub(builder.fmul(d, builder.sitofp(isum, V16F)), builder.fmul(dmin, builder.sitofp(msum, V16F)))
-            builder.store(builder.fadd(builder.load(accp), builder.fmul(part, dxb), flags=("contract",)), accp)
-        op = builder.gep(oa.data, [builder.mul(t64, ir.Constant(i64, 16))])
-        builder.store(builder.load(accp), builder.bitcast(op, V16F.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-TILE_B_Q6_K = 3360  # bytes per (tile, super-block): [half][pos][ql A, ql B, qh] 3072, sc 256, d 32
+                    xv = builder.load(_at2(builder, xa, row, builder.add(builder.mul(b, _c64(64)), _c64(c * 16 + h * 8 + g))))
+                    acc[m][h] = _dpbusd(builder, acc[m][h], qv[h], _splat(builder, xv, V16I))
+        for h in range(2):
+            j = 2 * c + h
+            sc = builder.zext(_vload(builder, builder.gep(p, [_c64(2048 + j * 16)]), V16B), V16I)
+            mn = builder.zext(_vload(builder, builder.gep(p, [_c64(2176 + j * 16)]), V16B), V16I)
+            for m, row in enumerate(rows):
+                isum[m] = builder.add(isum[m], builder.mul(acc[m][h], sc))
+                bs = builder.load(_at2(builder, sa, row, builder.add(builder.mul(b, _c64(8)), _c64(j))))
+                msum[m] = builder.add(msum[m], builder.mul(mn, _splat(builder, bs, V16I)))
+    d = builder.fpext(_vload(builder, builder.gep(p, [_c64(2304)]), V16H), V16F)
+    dmin = builder.fpext(_vload(builder, builder.gep(p, [_c64(2336)]), V16H), V16F)
+    for m, row in enumerate(rows):
+        dxb = _splat(builder, builder.load(_at2(builder, da, row, b)), V16F)
+        part = builder.fsub(builder.fmul(d, builder.sitofp(isum[m], V16F)), builder.fmul(dmin, builder.sitofp(msum[m], V16F)))
+        builder.store(builder.fadd(builder.load(accs[m]), builder.fmul(part, dxb), flags=("contract",)), accs[m])
 
 
-@intrinsic
-def q6_k_tile16(typingctx, tiles, t, xq32, dx, bsum16, out):
-    """out[16t:16t+16] = tile t of a Q6_K tile matrix (repack_q6_k_tiles) dotted with int8 x
-    (per-256 scales dx); bsum16 = -32 * per-16 sums of int8 x (the Q6_K offset)."""
-    sig = types.void(tiles, t, xq32, dx, bsum16, out)
+def _q6_k_block(builder, p, b, rows, xa, da, sa, accs):
+    # sums = -32 * per-16 sums of int8 x (the Q6_K offset). Element e = 128h + 32k + 4pp + j has
+    # scale group e // 16 = 8h + 2k + pp // 4: per (h, pp // 4) four groups, one per stream k.
+    m0f, m30 = _vconst(V16I, 0x0F0F0F0F), _vconst(V16I, 0x30303030)
+    zero = ir.Constant(V16I, [0] * 16)
+    isum = [zero] * len(rows)
+    for h in range(2):
+        for ph in range(2):
+            groups = [8 * h + 2 * k + ph for k in range(4)]
+            acc = [[_splat(builder, builder.load(_at2(builder, sa, row, builder.add(builder.mul(b, _c64(16)), _c64(s)))), V16I)
+                    for s in groups] for row in rows]
+            for pp in range(4 * ph, 4 * ph + 4):
+                o = (h * 8 + pp) * 192
+                A = _vload(builder, builder.gep(p, [_c64(o)]), V16I)
+                B = _vload(builder, builder.gep(p, [_c64(o + 64)]), V16I)
+                H = _vload(builder, builder.gep(p, [_c64(o + 128)]), V16I)
+                vals = (
+                    builder.or_(builder.and_(A, m0f), builder.and_(_shift(builder, H, 4), m30)),
+                    builder.or_(builder.and_(B, m0f), builder.and_(_shift(builder, H, 2), m30)),
+                    builder.or_(builder.and_(builder.lshr(A, _vconst(V16I, 4)), m0f), builder.and_(H, m30)),
+                    builder.or_(builder.and_(builder.lshr(B, _vconst(V16I, 4)), m0f), builder.and_(_shift(builder, H, -2), m30)),
+                )
+                for k, qv in enumerate(vals):
+                    xi = builder.add(builder.mul(b, _c64(64)), _c64((h * 128 + 32 * k + 4 * pp) // 4))
+                    for m, row in enumerate(rows):
+                        xv = builder.load(_at2(builder, xa, row, xi))
+                        acc[m][k] = _dpbusd(builder, acc[m][k], qv, _splat(builder, xv, V16I))
+            for k, s in enumerate(groups):
+                sc = builder.sext(_vload(builder, builder.gep(p, [_c64(3072 + 16 * s)]), V16B), V16I)
+                for m in range(len(rows)):
+                    isum[m] = builder.add(isum[m], builder.mul(acc[m][k], sc))
+    d = builder.fpext(_vload(builder, builder.gep(p, [_c64(3328)]), V16H), V16F)
+    for m, row in enumerate(rows):
+        dxb = _splat(builder, builder.load(_at2(builder, da, row, b)), V16F)
+        part = builder.fmul(d, builder.sitofp(isum[m], V16F))
+        builder.store(builder.fadd(builder.load(accs[m]), builder.fmul(part, dxb), flags=("contract",)), accs[m])
 
-    def codegen(context, builder, signature, args):
-        tiles_v, t_v, xq_v, dx_v, bs_v, out_v = args
-        ta = context.make_array(signature.args[0])(context, builder, tiles_v)
-        xa = context.make_array(signature.args[2])(context, builder, xq_v)
-        da = context.make_array(signature.args[3])(context, builder, dx_v)
-        ba = context.make_array(signature.args[4])(context, builder, bs_v)
-        oa = context.make_array(signature.args[5])(context, builder, out_v)
-        i64 = ir.IntType(64)
-        nb = builder.extract_value(da.shape, 0)
-        t64 = builder.sext(t_v, i64) if t_v.type.width < 64 else t_v
-        base = builder.gep(ta.data, [builder.mul(t64, builder.mul(nb, ir.Constant(i64, TILE_B_Q6_K)))])
-        accp = cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16))
-        m0f = _vconst(V16I, 0x0F0F0F0F)
-        m30 = _vconst(V16I, 0x30303030)
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            p = builder.gep(base, [builder.mul(b, ir.Constant(i64, TILE_B_Q6_K))])
 
-            def at(off):
-                return builder.gep(p, [ir.Constant(i64, off)])
+TILE_BYTES = {"q5_0": 352, "q8_0": 544, "q4_k": 2368, "q6_k": 3360}
+TILE_B_Q4_K, TILE_B_Q6_K, TILE_B_Q8_0 = TILE_BYTES["q4_k"], TILE_BYTES["q6_k"], TILE_BYTES["q8_0"]
+# Rows per multi-row kernel call: weights decoded once serve this many activation rows; 4 keeps
+# every accumulator in the 32 vector registers.
+TILE_MR = 4
+q5_0_tile16, q5_0_tile16_mr = _tile_kernel("q5_0", 1, _q5_0_block), _tile_kernel("q5_0", TILE_MR, _q5_0_block)
+q8_0_tile16, q8_0_tile16_mr = _tile_kernel("q8_0", 1, _q8_0_block), _tile_kernel("q8_0", TILE_MR, _q8_0_block)
+q4_k_tile16, q4_k_tile16_mr = _tile_kernel("q4_k", 1, _q4_k_block), _tile_kernel("q4_k", TILE_MR, _q4_k_block)
+q6_k_tile16, q6_k_tile16_mr = _tile_kernel("q6_k", 1, _q6_k_block), _tile_kernel("q6_k", TILE_MR, _q6_k_block)
 
-            acc = []
-            for s in range(16):
-                bs = builder.load(builder.gep(ba.data, [builder.add(builder.mul(b, ir.Constant(i64, 16)), ir.Constant(i64, s))]))
-                acc.append(_splat(builder, bs, V16I))
-            for h in range(2):
-                for pp in range(8):
-                    o = (h * 8 + pp) * 192
-                    A = _vload(builder, at(o), V16I)
-                    B = _vload(builder, at(o + 64), V16I)
-                    H = _vload(builder, at(o + 128), V16I)
-                    vals = (
-                        builder.or_(builder.and_(A, m0f), builder.and_(_shift(builder, H, 4), m30)),
-                        builder.or_(builder.and_(B, m0f), builder.and_(_shift(builder, H, 2), m30)),
-                        builder.or_(builder.and_(builder.lshr(A, _vconst(V16I, 4)), m0f), builder.and_(H, m30)),
-                        builder.or_(builder.and_(builder.lshr(B, _vconst(V16I, 4)), m0f), builder.and_(_shift(builder, H, -2), m30)),
-                    )
-                    for k, qv in enumerate(vals):
-                        e = h * 128 + 32 * k + 4 * pp
-                        xi = builder.add(builder.mul(b, ir.Constant(i64, 64)), ir.Constant(i64, e // 4))
-                        xv = builder.load(builder.gep(xa.data, [xi]))
-                        acc[e // 16] = _dpbusd(builder, acc[e // 16], qv, _splat(builder, xv, V16I))
-            isum = ir.Constant(V16I, [0] * 16)
-            for s in range(16):
-                sc = builder.sext(_vload(builder, at(3072 + 16 * s), V16B), V16I)
-                isum = builder.add(isum, builder.mul(acc[s], sc))
-            d = builder.fpext(_vload(builder, at(3328), V16H), V16F)
-            dxb = _splat(builder, builder.load(builder.gep(da.data, [b])), V16F)
-            part = builder.fmul(d, builder.sitofp(isum, V16F))
-            builder.store(builder.fadd(builder.load(accp), builder.fmul(part, dxb), flags=("contract",)), accp)
-        op = builder.gep(oa.data, [builder.mul(t64, ir.Constant(i64, 16))])
-        builder.store(builder.load(accp), builder.bitcast(op, V16F.as_pointer()), align=1)
-        return context.get_dummy_value()
 
-    return sig, codegen
+def repack_q8_0_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """GGUF Q8_0 data -> (ceil(N/16), nb*544) uint8 tiles; rows past N are zero. Per block: qs + 128
+    as [g][row][4 bytes] (elements 4g..4g+3), then d [row] f16."""
+    rows = _pad16(as_block_bytes(raw, Q8_0, n_cols))
+    N, nb, T = rows.shape[0], n_cols // 32, rows.shape[0] // 16
+    k = rows.reshape(N, nb, 34)
+    qs = (k[..., 2:34] ^ np.uint8(0x80)).reshape(T, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(T, nb, 512)
+    d = k[..., 0:2].reshape(T, 16, nb, 2).transpose(0, 2, 1, 3).reshape(T, nb, 32)
+    return np.ascontiguousarray(np.concatenate([qs, d], axis=-1).reshape(T, nb * 544))
 
 
 def repack_q6_k_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:
