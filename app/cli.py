@@ -67,8 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    run.add_argument("--speculative", choices=("off", "lookup"), default="off",
-                     help="speculative decoding: lookup drafts from n-grams of the prompt and output (native backend)")
+    run.add_argument("--speculative", choices=("off", "lookup", "draft"), default="off",
+                     help="speculative decoding (native backend): lookup drafts from n-grams of the prompt and "
+                          "output; draft uses a smaller model with the same vocabulary (--draft-model)")
+    run.add_argument("--draft-model", default=None,
+                     help="the draft model for --speculative draft: registry name or path "
+                          "(e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)")
     run.add_argument("--draft-n", type=int, default=3, help="draft tokens per verification pass (default: 3)")
 
     tok = sub.add_parser("tokenize", help="print the token ids and pieces of a text")
@@ -191,7 +195,7 @@ def sampling_from_args(args):
 def cmd_run(args) -> int:
     from core.backend import SpeculativeConfig
     params = sampling_from_args(args)
-    speculative = SpeculativeConfig(args.speculative, args.draft_n).validate()
+    speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
     prompt = read_text_arg(args.prompt, "prompt")
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
@@ -315,7 +319,7 @@ def cmd_chat(args) -> int:
     args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
     args.repeat_penalty, args.seed, args.stop = 1.0, None, []
     args.presence_penalty, args.frequency_penalty, args.repeat_last_n, args.logit_bias = 0.0, 0.0, 64, []
-    args.speculative, args.draft_n = "off", 3
+    args.speculative, args.draft_n, args.draft_model = "off", 3, None
     return cmd_run(args)
 
 

@@ -95,14 +95,20 @@ class Timings:
                 f" (cached {self.cache_n}) | eval {self.predicted_n} tok, {self.predicted_per_second:.1f} tok/s")
 
 
+SPECULATIVE_METHODS = ("off", "lookup", "draft")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"            # off | lookup
+    method: str = "off"            # off | lookup | draft
     draft_n: int = 3               # tokens drafted per verification pass
+    draft_model: str | None = None # registry name or path of the draft model (method "draft")
 
     def validate(self) -> "SpeculativeConfig":
-        if self.method not in ("off", "lookup"):
-            raise BadInputError(f"unknown speculative method '{self.method}' (off, lookup)")
+        if self.method not in SPECULATIVE_METHODS:
+            raise BadInputError(f"unknown speculative method '{self.method}' ({', '.join(SPECULATIVE_METHODS)})")
+        if self.method == "draft" and not self.draft_model:
+            raise BadInputError("--speculative draft needs --draft-model (e.g. qwen2.5-coder-0.5b-instruct)")
         if not 1 <= self.draft_n <= 7:   # 1 + 7 tokens per check stay on the one-token kernels
             raise BadInputError("--draft-n must be between 1 and 7")
         return self
@@ -154,7 +160,8 @@ class Backend(ABC):
     # --- the shared generation loop --------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  cancel: threading.Event | None = None,
-                 speculative: "SpeculativeConfig | None" = None) -> Iterator[TokenEvent]:
+                 speculative: "SpeculativeConfig | None" = None, draft_backend: "Backend | None" = None
+                 ) -> Iterator[TokenEvent]:
         """Yield TokenEvents until an end-of-generation token, a stop string, max_tokens, a full
         context or `cancel`. Afterwards `self.timings` and `self.finish_reason` describe the run.
         With `speculative`, tokens are drafted and verified several per forward pass; greedy output
@@ -199,8 +206,14 @@ class Backend(ABC):
         t_last = t_prompt_end
         n_out = 0
         if speculative is not None and speculative.method != "off":
-            from core.speculative import speculative_tokens
-            source = speculative_tokens(self, logits, sampler, prompt_ids, speculative)
+            from core.speculative import ModelDrafter, speculative_tokens
+            if speculative.method == "draft":
+                if draft_backend is None:
+                    raise BadInputError("--speculative draft needs a loaded draft model")
+                drafter = ModelDrafter(draft_backend, prompt_ids)
+            else:
+                drafter = None
+            source = speculative_tokens(self, logits, sampler, prompt_ids, speculative, drafter)
         else:
             source = self._plain_tokens(logits, sampler)
         for token in source:

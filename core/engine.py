@@ -63,7 +63,9 @@ class Engine:
         train_ctx = self.gguf.arch_get("context_length") or n_ctx
         self.n_ctx = min(n_ctx, int(train_ctx))
         self.backend_name = backend or default_backend()
+        self.threads, self.progress = threads, progress
         self.backend = load_backend(self.backend_name, self.gguf, self.tokenizer, self.n_ctx, threads)
+        self._draft: tuple[str, Backend] | None = None   # (draft model name, its native backend)
 
     @property
     def has_chat_template(self) -> bool:
@@ -112,10 +114,31 @@ class Engine:
             ids = self.prompt_ids(msgs, chat)
         return ids, truncated
 
+    def draft_backend(self, draft_model: str) -> Backend:
+        """The native backend of a draft model for speculative decoding, loaded on first use and
+        kept. Its vocabulary must be the target's token for token (drafts are token ids)."""
+        if self._draft is not None and self._draft[0] == draft_model:
+            return self._draft[1]
+        if self._draft is not None:
+            self._draft[1].close()
+            self._draft = None
+        g = open_model(registry.resolve(draft_model, self.progress))
+        tokenizer = Tokenizer.from_gguf(g)
+        if tokenizer.tokens != self.tokenizer.tokens:
+            raise BadInputError(f"the draft model {draft_model} has a different vocabulary from {self.model_name}")
+        from core.native_backend import NativeBackend
+        self._draft = (draft_model, NativeBackend(g, tokenizer, self.n_ctx, self.threads))
+        return self._draft[1]
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  cancel: threading.Event | None = None,
                  speculative: SpeculativeConfig | None = None) -> Iterator[TokenEvent]:
-        return self.backend.generate(prompt_ids, params, cancel, speculative)
+        draft = None
+        if speculative is not None and speculative.method == "draft" and self.backend.supports_speculative:
+            draft = self.draft_backend(speculative.draft_model)
+        return self.backend.generate(prompt_ids, params, cancel, speculative, draft)
 
     def close(self) -> None:
+        if self._draft is not None:
+            self._draft[1].close()
         self.backend.close()

@@ -1,6 +1,11 @@
-"""Speculative decoding by prompt lookup: draft the tokens that followed the latest n-gram the last
-time it appeared in the prompt or the output, verify them all in one forward pass, keep the
-accepted ones and roll the KV cache back past the rest.
+"""Speculative decoding: draft a few tokens cheaply, verify them all in one forward pass of the
+target model, keep the accepted ones and roll the KV cache back past the rest.
+
+Two drafters:
+- prompt lookup: the tokens that followed the latest n-gram the last time it appeared in the
+  prompt or the output (free, strong on input-grounded answers such as "rewrite this code");
+- a draft model with the same vocabulary (qwen2.5-coder-0.5b drafting for -1.5b): its greedy
+  continuation, from its own KV cache, which is rolled back with the target's.
 
 Greedy verification keeps exactly the tokens plain greedy decoding would produce (the backend runs
 a small verification batch through its one-token kernels, so the logits are the same numbers).
@@ -32,9 +37,51 @@ def lookup_draft(history: Sequence[int], draft_n: int, max_ngram: int = MAX_NGRA
     return []
 
 
+class LookupDrafter:
+    def propose(self, history: Sequence[int], n: int) -> list[int]:
+        return lookup_draft(history, n)
+
+    def keep(self, n_tokens: int) -> None:
+        pass
+
+
+class ModelDrafter:
+    """Greedy drafts from a smaller model on its own backend (KV cache). The draft backend has seen
+    `fed` tokens of the history; each proposal first feeds it what it has not seen (the prompt on
+    the first call, later the last accepted token and the target's correction) in one pass."""
+
+    def __init__(self, backend, prompt_ids: Sequence[int]):
+        self.backend = backend
+        self.fed = backend._reuse_prefix(list(prompt_ids))
+        backend.stats.n_past = self.fed
+
+    def propose(self, history: Sequence[int], n: int) -> list[int]:
+        b = self.backend
+        new = list(history[self.fed:])
+        logits = None
+        for s in range(0, len(new), 256):
+            logits = b._forward(new[s:s + 256])
+        self.fed += len(new)
+        out: list[int] = []
+        for i in range(n):
+            out.append(int(np.argmax(logits)))
+            if i < n - 1:
+                logits = b._forward([out[-1]])
+                self.fed += 1
+        return out
+
+    def keep(self, n_tokens: int) -> None:
+        """The target kept n_tokens of history; drop the draft's rejected tokens beyond them."""
+        if self.fed > n_tokens:
+            self.backend._rollback(n_tokens)
+            self.fed = n_tokens
+
+
 def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids: Sequence[int],
-                       config) -> Iterator[int]:
-    """Yields tokens like Backend._plain_tokens, several per forward pass when drafts are accepted."""
+                       config, drafter=None) -> Iterator[int]:
+    """Yields tokens like Backend._plain_tokens, several per forward pass when drafts are accepted.
+    `drafter` proposes (LookupDrafter when None)."""
+    drafter = drafter or LookupDrafter()
     history = list(prompt_ids)
     stats = backend.stats
     token = sampler.sample(logits)
@@ -42,7 +89,7 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
         yield token
         history.append(token)
         room = backend.n_ctx - stats.n_past - 2                 # keep one slot for the bonus token
-        draft = lookup_draft(history, min(config.draft_n, room)) if room > 0 else []
+        draft = drafter.propose(history, min(config.draft_n, room)) if room > 0 else []
         base = stats.n_past
         rows = backend._forward_all([token] + draft)            # (1 + len(draft), n_vocab)
         accepted = 0
@@ -62,3 +109,4 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
         if keep < base + 1 + len(draft):
             backend._rollback(keep)
         stats.n_past = keep
+        drafter.keep(len(history))

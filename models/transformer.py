@@ -135,11 +135,11 @@ class KVView(Protocol):
     block_table: np.ndarray           # int32, logical block -> physical block
 
 
-# Batches of at most this many tokens run through the one-token (decode) kernels row by row:
-# - it is faster: after the first row each matrix is in cache, while the batched GEMM path must
-#   dequantize every weight (measured on qwen 0.5B: 20 tokens 175 ms row by row vs 424 ms GEMM;
-#   they meet near 64);
-# - verifying speculative tokens then gives bit-for-bit the logits plain decoding would.
+# Runs of at most this many tokens go through the one-token (decode) attention kernel row by row,
+# and, for weight types without int8 tile kernels, through gemv row by row:
+# - verifying speculative tokens then gives bit-for-bit the logits plain decoding would (the int8
+#   tile matmuls give every row its one-row numbers at any length);
+# - row-by-row gemv beats dequantize + GEMM below about 64 rows.
 SMALL_BATCH = 64
 
 

@@ -1,18 +1,20 @@
 """Quantized matrix products: y = x @ W.T with W (N, K) in a GGML block format.
 
-gemv (decode, memory-bound): every packed block is read once per call, decoded in
+int8 tile kernels (Q5_0, Q8_0, Q4_K, Q6_K on AVX-512 VNNI; the product path): W is repacked once
+into 16-row interleaved tiles and x is quantized per row exactly as llama.cpp's matmul quantizes
+it (q8_0 / q8_K). One pass over W serves all M rows of x: the weights of a block are decoded once
+and dotted with several rows (vpdpbusd), so decode (M = 1) reads W once per token and a prefill
+chunk, a speculative check or a continuous batch reads it once per step. Each row's result is
+independent of the others. Measured on the 2-core dev box: ~33 GB/s at M = 1 (DRAM-bound),
+~500-650 GOP/s at M >= 4 (compute-bound; the bf16 GEMM below reached ~150-340 GFLOP/s).
+
+float gemv (every type; exact float32 x): every packed block is read once per call, decoded in
 registers (float32 lanes) and dotted with x; rows are split across threads. Offsets and
 minimums are folded out of the inner loop with per-block sums of x:
     sum_l (d*q_l - m) * x_l = d * sum_l q_l x_l - m * sum_l x_l.
-Q4_K (INT8_ACTIVATION_TYPES) instead quantizes x to int8 per 256 elements, as llama.cpp's
-q8_K does, and uses integer dots (AVX-512 VNNI): 1.4x the float kernel. For the other
-types the int8 route measured no faster (Q6_K) or slower (32-element blocks).
-Measured on the 2-core dev box, quiet, 2 threads (bench: /tmp/bench_kernels.py):
-Q5_0 15, Q4_K 18, Q6_K 15 GB/s (decode-bound), Q8_0 lm_head 28 GB/s (DRAM).
 
-gemm (prefill, compute-bound): tiles of W are dequantized by numba, rounded to bf16 and
-multiplied by torch (oneDNN bf16 GEMM, fp32 accumulation, bf16 result): ~340 GFLOP/s
-with 2 threads (torch's bf16 GEMM alone: ~410). For M <= 4 it is repeated gemv.
+gemm (types without tile kernels, or exact float x): tiles of W are dequantized by numba,
+rounded to bf16 and multiplied by torch (oneDNN bf16 GEMM, fp32 accumulation, bf16 result).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from numba import njit, prange
 from kernels.cpu.ops import serial_twin
 from kernels.cpu.quant import (
     BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-    HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, TILE_MR,
+    HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, MR_Q4_K, MR_Q5_0, MR_Q6_K, MR_Q8_0,
     q4_k_tile16, q4_k_tile16_mr, q5_0_tile16, q5_0_tile16_mr, q6_k_tile16, q6_k_tile16_mr, q8_0_tile16, q8_0_tile16_mr,
     repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, repack_q8_0_tiles, round_f16,
 )
@@ -471,16 +473,16 @@ def _on_grid(x, xq, dx, blk, tol):
     return True
 
 
-# rows kernels: out (M, 16 * n_tiles) = int8 rows (xq32, dx, sums) x tiles; rows go TILE_MR at a
-# time through one decode of each weight block, the remainder one by one.
+# rows kernels: out (M, 16 * n_tiles) = int8 rows (xq32, dx, sums) x tiles; rows go MR_* at a
+# time (quant.MR_*) through one decode of each weight block, the remainder one by one.
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
 def _rows_q5_0(tiles, xq32, dx, sums, out):
     M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
         m = 0
-        while m + TILE_MR <= M:
+        while m + MR_Q5_0 <= M:
             q5_0_tile16_mr(tiles, t, m, xq32, dx, sums, out)
-            m += TILE_MR
+            m += MR_Q5_0
         while m < M:
             q5_0_tile16(tiles, t, m, xq32, dx, sums, out)
             m += 1
@@ -491,9 +493,9 @@ def _rows_q8_0(tiles, xq32, dx, sums, out):
     M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
         m = 0
-        while m + TILE_MR <= M:
+        while m + MR_Q8_0 <= M:
             q8_0_tile16_mr(tiles, t, m, xq32, dx, sums, out)
-            m += TILE_MR
+            m += MR_Q8_0
         while m < M:
             q8_0_tile16(tiles, t, m, xq32, dx, sums, out)
             m += 1
@@ -504,9 +506,9 @@ def _rows_q4_k(tiles, xq32, dx, sums, out):
     M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
         m = 0
-        while m + TILE_MR <= M:
+        while m + MR_Q4_K <= M:
             q4_k_tile16_mr(tiles, t, m, xq32, dx, sums, out)
-            m += TILE_MR
+            m += MR_Q4_K
         while m < M:
             q4_k_tile16(tiles, t, m, xq32, dx, sums, out)
             m += 1
@@ -517,9 +519,9 @@ def _rows_q6_k(tiles, xq32, dx, sums, out):
     M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
         m = 0
-        while m + TILE_MR <= M:
+        while m + MR_Q6_K <= M:
             q6_k_tile16_mr(tiles, t, m, xq32, dx, sums, out)
-            m += TILE_MR
+            m += MR_Q6_K
         while m < M:
             q6_k_tile16(tiles, t, m, xq32, dx, sums, out)
             m += 1

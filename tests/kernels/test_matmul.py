@@ -148,7 +148,7 @@ def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
         np.testing.assert_array_equal(qm.rows(ids), w[ids])
 
 
-TILE16_CANDIDATES = (6, 12, 14)   # Q5_0, Q4_K, Q6_K: tiled on CPUs with AVX-512 VNNI, float kernels elsewhere
+TILE16_CANDIDATES = (6, 8, 12, 14)   # Q5_0, Q8_0, Q4_K, Q6_K: tiled on CPUs with AVX-512 VNNI, float kernels elsewhere
 
 
 @pytest.mark.parametrize("ggml_type", TILE16_CANDIDATES, ids=_name)
@@ -187,3 +187,51 @@ def test_gemv_tile16_is_exact_on_llama_rounded_x(ggml_type):
     qm, w, rng = _setup(ggml_type, 64, n_cols, 9)
     x = round_like_llama_cpp(rng.standard_normal((1, n_cols)).astype(np.float32), ggml_type)[0]
     _assert_close(qm.gemv(x), w, x, GEMV_RTOL)  # no int8 allowance
+
+
+@pytest.mark.parametrize("kind, blk", [("q8_0", 32), ("q8_K", 256)])
+def test_int8_quantizers_are_llama_cpp_rounding(kind, blk):
+    """The tile kernels quantize activations themselves; dequantized, that must be bit-for-bit
+    the activation llama.cpp's matmul uses (activations.round_like_llama_cpp), including a block
+    whose largest value is negative, an outlier, and an all-zero block."""
+    from kernels.cpu.activations import round_like_llama_cpp
+    from kernels.cpu.matmul import Int8Rows
+
+    rng = np.random.default_rng(blk)
+    x = rng.standard_normal((5, 4 * blk)).astype(np.float32)
+    x[0, 3] = -50.0
+    x[1, blk + 7] = 1e4
+    x[2, 2 * blk:3 * blk] = 0.0
+    rows = Int8Rows(x, kind)
+    deq = rows.xq.astype(np.float32) * np.repeat(rows.dx, blk, axis=1)
+    np.testing.assert_array_equal(deq, round_like_llama_cpp(x, 8 if kind == "q8_0" else 12))
+    assert rows.xq.min() >= -127 and rows.xq.max() <= 127
+
+
+@pytest.mark.parametrize("ggml_type", TILE16_CANDIDATES, ids=_name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("n_rows", [16, 23])
+@pytest.mark.parametrize("parallel", [True, False], ids=["par", "serial"])
+def test_matmul_int8_rows(ggml_type, m, n_rows, parallel, monkeypatch):
+    """Several activation rows through one pass over W (multi-row tile kernels, full groups plus
+    a remainder): each row equals its own one-row result bit for bit (a batch or a speculative
+    check gives decode's numbers) and the float64 product on llama.cpp-rounded x."""
+    from kernels.cpu import matmul
+    from kernels.cpu.activations import round_like_llama_cpp
+    from kernels.cpu.matmul import VEC_DOT_KIND, Int8Rows
+
+    n_cols = 2 * GGML_BLOCK[ggml_type][0] * (4 if GGML_BLOCK[ggml_type][0] == 32 else 1)
+    qm, w, rng = _setup(ggml_type, n_rows, n_cols, m * 100 + n_rows + ggml_type)
+    assert (qm.tiles is not None) == (ggml_type in TILE16_TYPES)
+    x = rng.standard_normal((m, n_cols)).astype(np.float32)
+    xr = round_like_llama_cpp(x, ggml_type)
+    if qm.tiles is None:  # no AVX-512 VNNI: the models layer takes round + gemv instead
+        _assert_close(np.stack([qm.gemv(r) for r in xr]), w, xr, GEMV_RTOL, ggml_type)
+        return
+    monkeypatch.setattr(matmul, "GEMV_PAR_MIN_BYTES", 0 if parallel else 1 << 62)
+    kind = VEC_DOT_KIND[ggml_type]
+    got = qm.matmul_int8(Int8Rows(x, kind))
+    assert got.shape == (m, n_rows) and got.dtype == np.float32
+    for i in range(m):
+        np.testing.assert_array_equal(got[i], qm.matmul_int8(Int8Rows(x[i:i + 1], kind))[0])
+    _assert_close(got, w, xr, GEMV_RTOL)
