@@ -111,25 +111,37 @@ def bench_multiturn(engine, reps: int, new_tokens: int = 20, history_tokens: int
             "ttft_recompute_ms": statistics.fmean(cold)}
 
 
-def bench_speculative(engine, reps: int, n_gen: int) -> dict:
-    """Decode tokens/s on an input-grounded prompt, plain vs prompt-lookup speculation (greedy)."""
+def bench_speculative(engine, reps: int, n_gen: int, draft_n: int = 3, draft_model: str | None = None) -> dict:
+    """Decode tokens/s on an input-grounded prompt (greedy): plain, prompt lookup and, with
+    draft_model, a draft model. Every speculative run must give the plain run's tokens."""
     from core.backend import SamplingParams, SpeculativeConfig
     ids = engine.prompt_ids(SPECULATIVE_PROMPT)
     params = SamplingParams(temperature=0, max_tokens=n_gen)
-    plain, spec, drafted, accepted = [], [], 0, 0
+    configs = {"plain": None, "lookup": SpeculativeConfig("lookup", draft_n)}
+    if draft_model:
+        configs["draft"] = SpeculativeConfig("draft", draft_n, draft_model)
+        list(engine.generate(ids[:8], SamplingParams(temperature=0, max_tokens=2), speculative=configs["draft"]))
+    speed = {k: [] for k in configs}
+    drafted = {k: 0 for k in configs}
+    accepted = {k: 0 for k in configs}
     for _ in range(reps):
-        for config, out in ((None, plain), (SpeculativeConfig("lookup", 3), spec)):
+        reference = None
+        for method, config in configs.items():
             tokens = [e.id for e in engine.generate(ids, params, speculative=config) if e.id >= 0]
-            out.append(engine.backend.timings.predicted_per_second)
-            if config is not None:
-                drafted += engine.backend.stats.spec_drafted
-                accepted += engine.backend.stats.spec_accepted
-                if tokens != reference:
-                    raise RuntimeError("speculative output differs from plain greedy output")
-            else:
+            speed[method].append(engine.backend.timings.predicted_per_second)
+            if config is None:
                 reference = tokens
-    return {"plain_t_s": statistics.fmean(plain), "lookup_t_s": statistics.fmean(spec),
-            "acceptance": accepted / drafted if drafted else 0.0}
+                continue
+            drafted[method] += engine.backend.stats.spec_drafted
+            accepted[method] += engine.backend.stats.spec_accepted
+            if tokens != reference:
+                raise RuntimeError(f"speculative ({method}) output differs from plain greedy output")
+    out = {"plain_t_s": statistics.fmean(speed["plain"])}
+    for method in configs:
+        if method != "plain":
+            out[f"{method}_t_s"] = statistics.fmean(speed[method])
+            out[f"{method}_acceptance"] = accepted[method] / drafted[method] if drafted[method] else 0.0
+    return out
 
 
 def cmd_bench_modes(args, engines) -> int:
@@ -145,9 +157,12 @@ def cmd_bench_modes(args, engines) -> int:
             if not engine.backend.supports_speculative:
                 print(f"{name:<10} speculative: not supported by this backend")
                 continue
-            r = bench_speculative(engine, args.repetitions, args.n_gen)
-            print(f"{name:<10} speculative lookup: {r['lookup_t_s']:.1f} t/s vs plain {r['plain_t_s']:.1f} t/s "
-                  f"= {r['lookup_t_s'] / r['plain_t_s']:.2f}x, acceptance {100 * r['acceptance']:.0f}% (same tokens)")
+            r = bench_speculative(engine, args.repetitions, args.n_gen, args.draft_n, args.draft_model)
+            for method in ("lookup", "draft"):
+                if f"{method}_t_s" in r:
+                    print(f"{name:<10} speculative {method}: {r[f'{method}_t_s']:.1f} t/s vs plain {r['plain_t_s']:.1f} t/s "
+                          f"= {r[f'{method}_t_s'] / r['plain_t_s']:.2f}x, acceptance "
+                          f"{100 * r[f'{method}_acceptance']:.0f}% (same tokens)")
             if args.json:
                 print(json.dumps({"backend": name, "test": "speculative", **{k: round(v, 3) for k, v in r.items()}}))
     return 0

@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--multiturn", action="store_true",
                        help="TTFT of a 20-token message after 1500 tokens of history: reused vs alone vs recomputed")
     bench.add_argument("--speculative", action="store_true",
-                       help="decode speed with prompt-lookup speculation vs plain, on a code-rewrite prompt")
+                       help="decode speed with prompt-lookup speculation (and --draft-model) vs plain, "
+                            "on a code-rewrite prompt")
+    bench.add_argument("--draft-model", default=None,
+                       help="with --speculative: also time this draft model (e.g. qwen2.5-coder-0.5b-instruct)")
+    bench.add_argument("--draft-n", type=int, default=3, help="with --speculative: draft tokens per check (default: 3)")
 
     from app.batch_cmd import add_batch_parser
     from app.export import add_export_parser

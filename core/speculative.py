@@ -21,6 +21,8 @@ import numpy as np
 from core.sampler import Sampler
 
 MAX_NGRAM = 3
+# A draft model stops drafting when its own probability for the next token falls below this.
+DRAFT_MIN_P = 0.5
 
 
 def lookup_draft(history: Sequence[int], draft_n: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -64,11 +66,20 @@ class ModelDrafter:
         self.fed += len(new)
         out: list[int] = []
         for i in range(n):
-            out.append(int(np.argmax(logits)))
+            best = int(np.argmax(logits))
+            if out and self._confidence(logits, best) < DRAFT_MIN_P:
+                break                      # a likely miss: verifying it costs more than it saves
+            out.append(best)
             if i < n - 1:
-                logits = b._forward([out[-1]])
+                logits = b._forward([best])
                 self.fed += 1
         return out
+
+    @staticmethod
+    def _confidence(logits: np.ndarray, best: int) -> float:
+        """The draft model's probability of its own greedy token."""
+        z = logits.astype(np.float64) - float(logits[best])
+        return float(1.0 / np.exp(z).sum())
 
     def keep(self, n_tokens: int) -> None:
         """The target kept n_tokens of history; drop the draft's rejected tokens beyond them."""

@@ -85,6 +85,9 @@ def test_gemma_has_no_template_and_says_so_once(gemma_path):
     (["run", "hi", "--temperature", "warm"], None, "invalid float"),
     (["models", "info", "no-such-model"], None, "unknown model"),
     (["tokenize", "-m", "/nonexistent.gguf", "hi"], None, "not found"),
+    (["run", "hi", "--speculative", "draft"], None, "--draft-model"),
+    (["run", "hi", "--speculative", "guess"], None, "invalid choice"),
+    (["run", "hi", "--speculative", "lookup", "--draft-n", "0"], None, "--draft-n"),
 ])
 def test_bad_input_is_one_line_and_exit_2(qwen_path, args, stdin, message):
     out = run_kvchat(*args, "--backend", "llama.cpp", input=stdin) if args[0] == "run" and "--backend" not in args \
@@ -214,3 +217,19 @@ def test_batch_cli_writes_every_answer_and_resumes(qwen_path, tmp_path):
     assert again.returncode == 0
     ids = [json.loads(line)["id"] for line in answers.read_text().splitlines()]
     assert ids.count("q9") == 1 and ids.count("q0") == 1          # done ids were skipped
+
+
+@pytest.mark.parametrize("method", ["lookup", "draft"])
+def test_run_speculative_prints_acceptance_and_the_same_text(qwen_path, qwen15_path, method):
+    """`kvchat run --speculative` streams exactly the plain greedy text and reports its acceptance;
+    draft: qwen2.5-coder-0.5b drafting for -1.5b."""
+    prompt = "Rename the function area to rectangle_area and change nothing else:\n\n" \
+             "def area(width, height):\n    return width * height\n"
+    model = ["-m", "qwen2.5-coder-1.5b-instruct"] if method == "draft" else []
+    common = ["run", prompt, "--backend", "native", *model, "--temperature", "0", "--max-tokens", "32"]
+    plain = run_kvchat(*common)
+    spec = run_kvchat(*common, "--speculative", method, "--draft-model", "qwen2.5-coder-0.5b-instruct")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr.decode()
+    assert spec.stdout == plain.stdout and "rectangle_area" in spec.stdout.decode()
+    err = spec.stderr.decode()
+    assert f"speculative {method}: accepted" in err and "%)" in err, err

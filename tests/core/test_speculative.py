@@ -87,7 +87,44 @@ def test_speculative_needs_the_native_backend(qwen_path):
     engine.close()
 
 
-@pytest.mark.parametrize("method, n", [("draft", 3), ("lookup", 0), ("lookup", 9)])
+@pytest.mark.parametrize("method, n", [("draft", 3), ("guess", 3), ("lookup", 0), ("lookup", 9)])
 def test_bad_speculative_config(method, n):
     with pytest.raises(BadInputError):
-        SpeculativeConfig(method, n).validate()
+        SpeculativeConfig(method, n).validate()     # draft without a draft model is an error too
+
+
+@pytest.fixture(scope="module")
+def target15(qwen15_path, qwen_path):
+    engine = Engine("qwen2.5-coder-1.5b-instruct", backend="native", n_ctx=1024, threads=2)
+    yield engine
+    engine.close()
+
+
+def test_draft_model_greedy_is_token_identical(target15):
+    """qwen2.5-coder-0.5b drafts for -1.5b; the 1.5b verifies every draft in one pass and both caches
+    roll back on a rejection. Greedy output equals plain greedy on every prompt."""
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    config = SpeculativeConfig("draft", 3, "qwen2.5-coder-0.5b-instruct")
+    drafted = accepted = rejected_rounds = 0
+    for chat, text in PROMPTS:
+        ids = target15.prompt_ids(text, chat=chat)
+        target15.backend.reset()
+        plain = [e.id for e in target15.generate(ids, greedy) if e.id >= 0]
+        target15.backend.reset()
+        spec = [e.id for e in target15.generate(ids, greedy, speculative=config) if e.id >= 0]
+        assert spec == plain, text[:40]
+        stats = target15.backend.stats
+        drafted += stats.spec_drafted
+        accepted += stats.spec_accepted
+        rejected_rounds += stats.spec_drafted > stats.spec_accepted
+    draft = target15.draft_backend("qwen2.5-coder-0.5b-instruct")
+    assert draft.seq.n_tokens <= target15.backend.seq.n_tokens   # the draft cache followed the target's
+    assert drafted > 0 and accepted > 0.5 * drafted
+    assert rejected_rounds > 0                                   # rollbacks were exercised
+
+
+def test_draft_model_must_share_the_vocabulary(target15, gemma_path):
+    ids = target15.prompt_ids("hi")
+    with pytest.raises(BadInputError, match="vocabulary"):
+        list(target15.generate(ids, SamplingParams(max_tokens=2),
+                               speculative=SpeculativeConfig("draft", 3, "gemma-3-270m")))
