@@ -37,6 +37,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=("off", "lookup", "draft"), default="off",
+                   help="speculative decoding (native backend): lookup drafts from n-grams of the prompt and "
+                        "output; draft uses a smaller model with the same vocabulary (--draft-model)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model for --speculative draft: registry name or path "
+                        "(e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--draft-n", type=int, default=3, help="draft tokens per verification pass (default: 3)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default: 512)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
@@ -59,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="open the chat (the default when no command is given)")
     _add_model_args(chat)
+    _add_speculative_args(chat)
 
     run = sub.add_parser("run", help="one-shot generation; text streams to stdout")
     run.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' or absent reads stdin (when not a TTY)")
@@ -67,13 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    run.add_argument("--speculative", choices=("off", "lookup", "draft"), default="off",
-                     help="speculative decoding (native backend): lookup drafts from n-grams of the prompt and "
-                          "output; draft uses a smaller model with the same vocabulary (--draft-model)")
-    run.add_argument("--draft-model", default=None,
-                     help="the draft model for --speculative draft: registry name or path "
-                          "(e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)")
-    run.add_argument("--draft-n", type=int, default=3, help="draft tokens per verification pass (default: 3)")
+    _add_speculative_args(run)
 
     tok = sub.add_parser("tokenize", help="print the token ids and pieces of a text")
     tok.add_argument("-m", "--model", default=None, help="registry name or path to a .gguf")
@@ -323,7 +328,6 @@ def cmd_chat(args) -> int:
     args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
     args.repeat_penalty, args.seed, args.stop = 1.0, None, []
     args.presence_penalty, args.frequency_penalty, args.repeat_last_n, args.logit_bias = 0.0, 0.0, 64, []
-    args.speculative, args.draft_n, args.draft_model = "off", 3, None
     return cmd_run(args)
 
 

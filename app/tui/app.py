@@ -107,7 +107,7 @@ class KvChatApp(App):
     ]
 
     def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
-                 threads: int | None = None, engine=None, db_path=None):
+                 threads: int | None = None, engine=None, db_path=None, speculative=None):
         super().__init__()
         from core.engine import DEFAULT_CTX
         from models.registry import DEFAULT_MODEL
@@ -115,6 +115,7 @@ class KvChatApp(App):
         self.backend_pref = backend
         self.n_ctx = n_ctx or DEFAULT_CTX
         self.threads = threads
+        self.speculative = speculative             # core.backend.SpeculativeConfig or None
         self.engine = engine
         self.history = History(db_path)
         self.conversation_id: int | None = None
@@ -284,7 +285,8 @@ class KvChatApp(App):
         last_post = last_checkpoint = time.monotonic()
         try:
             self.post_message(ResponseStarted(reply_id))
-            for event in engine.generate(ids, params, cancel):
+            spec = self.speculative if engine.backend.supports_speculative else None
+            for event in engine.generate(ids, params, cancel, spec):
                 if worker.is_cancelled:
                     cancel.set()
                 if event.text:
@@ -364,7 +366,7 @@ class KvChatApp(App):
                            self.generating)
         status.update(line + (" | queued" if queued else ""))
         if xray.display:
-            xray.show(backend.stats, backend.kv_block_map(), queued)
+            xray.show(backend.stats, backend.kv_block_map(), queued, self.speculative_text(backend))
 
     # --- models ----------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="model")
@@ -531,10 +533,24 @@ class KvChatApp(App):
         xray.display = not xray.display
         if xray.display:
             if self.engine is not None and self.generated_once:
-                xray.show(self.engine.backend.stats, self.engine.backend.kv_block_map(), False)
+                xray.show(self.engine.backend.stats, self.engine.backend.kv_block_map(), False,
+                          self.speculative_text(self.engine.backend))
             else:
                 xray.show(None if self.engine is None else dataclasses.replace(self.engine.backend.stats,
                           phase="idle", token_latencies_ms=[], cache_n=0, n_past=0), None)
+
+    def speculative_text(self, backend) -> str:
+        """The X-ray's speculative line: method and acceptance of the last reply."""
+        spec = self.speculative
+        if spec is None or spec.method == "off":
+            return "speculative: off"
+        if not backend.supports_speculative:
+            return f"speculative {spec.method}: needs the native backend"
+        stats = backend.stats
+        if not stats.spec_drafted:
+            return f"speculative {spec.method}: no drafts yet"
+        return (f"speculative {spec.method}: {stats.spec_accepted}/{stats.spec_drafted} drafts accepted "
+                f"({100 * stats.spec_accepted / stats.spec_drafted:.0f}%)")
 
     def action_toggle_sidebar(self) -> None:
         sidebar = self.query_one(Sidebar)
@@ -584,6 +600,9 @@ class KvChatApp(App):
 
 def run_tui(args) -> int:
     """`kvchat chat`: the App opens at once; the model loads in the background with a progress bar."""
-    app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads)
+    from core.backend import SpeculativeConfig
+    speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
+    app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,
+                    speculative=speculative)
     app.run()
     return 0

@@ -195,3 +195,33 @@ async def test_copy_keys_rename_and_delete(engine, fixed_db):
         remaining = History(fixed_db).list_conversations()
         assert [c.title for c in remaining] == ["Greetings"] and app.conversation_id == remaining[0].id
         assert [u.content for u in app.query(UserMessage)] == ["Hello"]
+
+
+async def test_xray_shows_speculative_acceptance(tmp_path):
+    """`kvchat chat --speculative lookup` on the native engine: the reply is the plain greedy text
+    and the X-ray reports how many drafts were accepted."""
+    from core.backend import SpeculativeConfig
+    from core.engine import Engine
+    from tests.app.conftest import MODEL, N_CTX
+
+    native = Engine(MODEL, backend="native", n_ctx=N_CTX, threads=2)
+    try:
+        prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        native.backend.reset()
+        plain = "".join(e.text for e in native.generate(native.prompt_ids(prompt, chat=False), params))
+        native.backend.reset()
+        app = KvChatApp(engine=native, db_path=tmp_path / "h.db", speculative=SpeculativeConfig("lookup", 3))
+        app.params = params
+        async with app.run_test(size=(110, 32)) as pilot:
+            await type_and_send(pilot, prompt)
+            await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "the reply")
+            await pilot.press("ctrl+t")
+            await pilot.pause()
+            spec = str(app.query_one("#xray-spec").render())
+            assert "speculative lookup:" in spec and "drafts accepted" in spec, spec
+            accepted, drafted = map(int, spec.split(": ")[1].split(" ")[0].split("/"))
+            assert 0 < accepted <= drafted
+            assert app.reply_widget.content == plain
+    finally:
+        native.close()

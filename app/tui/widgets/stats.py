@@ -52,7 +52,8 @@ class XRayPanel(Vertical):
         yield Label("", id="xray-prefix", markup=False)
         yield Label("speculative: off", id="xray-spec", markup=False)
 
-    def show(self, stats: LiveStats | None, block_map: list[str] | None, queued: bool = False) -> None:
+    def show(self, stats: LiveStats | None, block_map: list[str] | None, queued: bool = False,
+             speculative: str = "speculative: off") -> None:
         if stats is None:
             self.query_one("#xray-phase", Label).update("phase: no model")
             return
@@ -67,6 +68,7 @@ class XRayPanel(Vertical):
         self.query_one("#xray-kv", Static).update(self.block_map_text(block_map))
         self.query_one("#xray-prefix", Label).update(
             f"prefix reused: {stats.cache_n} tok\ncontext: {stats.n_past}/{stats.n_ctx}")
+        self.query_one("#xray-spec", Label).update(speculative)
 
     def block_map_text(self, block_map: list[str] | None) -> Text:
         if not block_map:
