@@ -61,6 +61,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-last-n", type=int, default=64, help="penalty window in tokens (default: 64)")
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit (repeatable; BIAS may be -inf to ban it)")
+    p.add_argument("--ban", action="append", default=[], metavar="STRING",
+                   help="a string that must never appear in the output (repeatable): decoding backs off and "
+                        "resamples where it would start")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,7 +201,7 @@ def sampling_from_args(args):
                           repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repeat_last_n=args.repeat_last_n,
                           seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                          logit_bias=tuple(bias)).validate()
+                          logit_bias=tuple(bias), banned=tuple(args.ban)).validate()
 
 
 def cmd_run(args) -> int:
@@ -328,6 +331,7 @@ def cmd_chat(args) -> int:
     args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
     args.repeat_penalty, args.seed, args.stop = 1.0, None, []
     args.presence_penalty, args.frequency_penalty, args.repeat_last_n, args.logit_bias = 0.0, 0.0, 64, []
+    args.ban = []
     return cmd_run(args)
 
 

@@ -37,6 +37,7 @@ class SamplingParams:
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); -inf bans it
+    banned: tuple[str, ...] = ()    # strings that must never appear in the output (back off and resample)
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -51,6 +52,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max tokens must be >= 1"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
             (all(self.stop), "a stop string must not be empty"),
+            (all(self.banned), "a banned string must not be empty"),
             (all(t >= 0 and (math.isfinite(b) or b == -math.inf) for t, b in self.logit_bias),
              "logit bias needs a token id >= 0 and a finite bias (or -inf)"),
         ]
@@ -128,6 +130,20 @@ class LiveStats:
     spec_accepted: int = 0
 
 
+MAX_BACKOFFS = 1000
+
+
+@dataclass
+class HeldToken:
+    """A token decoded but not yet handed out (banned strings): what backing off to it restores."""
+    token: int
+    text: str
+    pos: int                    # its position in the sequence (the cache held pos tokens before it)
+    logits: np.ndarray          # the logits it was sampled from
+    recent: list                # the sampler's penalty window before it
+    utf8_state: tuple           # the stream decoder's state before it
+
+
 class Backend(ABC):
     """A loaded model that can extend one sequence's KV cache and return next-token logits."""
     name: ClassVar[str]
@@ -169,6 +185,8 @@ class Backend(ABC):
         params.validate()
         if speculative is not None and speculative.method != "off" and not self.supports_speculative:
             raise BadInputError(f"speculative decoding needs the native backend (not {self.name})")
+        if speculative is not None and speculative.method != "off" and params.banned:
+            raise BadInputError("banned strings and speculative decoding cannot be combined")
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise BadInputError("the prompt is empty")
@@ -214,6 +232,8 @@ class Backend(ABC):
             else:
                 drafter = None
             source = speculative_tokens(self, logits, sampler, prompt_ids, speculative, drafter)
+        elif params.banned:
+            source = self._guarded_tokens(logits, sampler, params.banned)
         else:
             source = self._plain_tokens(logits, sampler)
         for token in source:
@@ -253,6 +273,59 @@ class Backend(ABC):
             logits = self._forward([token])
             self.stats.n_past += 1
 
+    def _guarded_tokens(self, logits: np.ndarray, sampler: Sampler, banned: Sequence[str]) -> Iterator[int]:
+        """Plain decoding in which no banned string ever appears. Tokens whose text could still grow
+        into a banned string are held back (computed, not handed out). When one completes, decoding
+        backs off: the KV cache is rolled back to the held token where the match starts, that token is
+        banned at that position, and sampling resumes there with the logits it had."""
+        decoder = self.tokenizer.stream_decoder()
+        held: list[HeldToken] = []
+        bans: dict[int, set[int]] = {}          # position -> token ids banned there
+        backoffs = 0
+        while True:
+            pos = self.stats.n_past
+            masked = logits
+            if pos in bans:
+                masked = logits.copy()
+                masked[list(bans[pos])] = -np.inf
+            recent = list(sampler.recent)
+            utf8_state = decoder.getstate()
+            token = sampler.sample(masked)
+            held.append(HeldToken(token, decoder.feed(token), pos, logits, recent, utf8_state))
+            text = "".join(h.text for h in held)
+            hit = min((i for i in (text.find(b) for b in banned) if i >= 0), default=-1)
+            if hit >= 0:                        # back off to the held token where the match starts
+                backoffs += 1
+                if backoffs > MAX_BACKOFFS:
+                    raise BadInputError(f"gave up after {MAX_BACKOFFS} back-offs avoiding the banned strings")
+                k, end = 0, len(held[0].text)
+                while end <= hit:
+                    k += 1
+                    end += len(held[k].text)
+                first = held[k]
+                bans.setdefault(first.pos, set()).add(first.token)
+                if self.stats.n_past > first.pos:
+                    self._rollback(first.pos)
+                self.stats.n_past = first.pos
+                sampler.recent.clear()
+                sampler.recent.extend(first.recent)
+                decoder.setstate(first.utf8_state)
+                logits = first.logits
+                del held[k:]
+                continue
+            if token in self.tokenizer.eog_ids:
+                yield from (h.token for h in held)
+                return
+            # hand out the held tokens whose text can no longer start a banned string
+            keep = len(text) - max((n for b in banned for n in range(min(len(b) - 1, len(text)), 0, -1)
+                                    if text.endswith(b[:n])), default=0)
+            released = 0
+            while held and released + len(held[0].text) <= keep:
+                released += len(held[0].text)
+                yield held.pop(0).token
+            logits = self._forward([token])
+            self.stats.n_past += 1
+
     # Speculative decoding needs two more primitives; backends that have them set this True.
     supports_speculative: ClassVar[bool] = False
 
@@ -261,7 +334,7 @@ class Backend(ABC):
         raise NotImplementedError
 
     def _rollback(self, n_tokens: int) -> None:
-        """Drop cached tokens past the first n_tokens (rejected draft tokens)."""
+        """Drop cached tokens past the first n_tokens (rejected drafts, banned strings)."""
         raise NotImplementedError
 
     def _finish(self, reason: str, t_start: float, t_prompt_end: float | None, cache_n: int,

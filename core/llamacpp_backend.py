@@ -45,6 +45,10 @@ class LlamaCppBackend(Backend):
         llm._ctx.kv_cache_seq_rm(-1, n, -1)
         return n
 
+    def _rollback(self, n_tokens: int) -> None:
+        self.llm.n_tokens = n_tokens
+        self.llm._ctx.kv_cache_seq_rm(-1, n_tokens, -1)
+
     def _forward(self, ids: Sequence[int]) -> np.ndarray:
         self.llm.eval(list(ids))
         ptr = self.llm._ctx.get_logits_ith(-1)

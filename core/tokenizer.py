@@ -246,4 +246,11 @@ class StreamDecoder:
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
 
+    def getstate(self) -> tuple:
+        """The pending partial character, to back off to (banned strings)."""
+        return self._utf8.getstate()
+
+    def setstate(self, state: tuple) -> None:
+        self._utf8.setstate(state)
+
 

@@ -86,6 +86,7 @@ def test_gemma_has_no_template_and_says_so_once(gemma_path):
     (["models", "info", "no-such-model"], None, "unknown model"),
     (["tokenize", "-m", "/nonexistent.gguf", "hi"], None, "not found"),
     (["run", "hi", "--speculative", "draft"], None, "--draft-model"),
+    (["run", "hi", "--ban", ""], None, "banned string"),
     (["run", "hi", "--speculative", "guess"], None, "invalid choice"),
     (["run", "hi", "--speculative", "lookup", "--draft-n", "0"], None, "--draft-n"),
 ])
