@@ -32,7 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     from models.registry import DEFAULT_MODEL
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
     p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
-                   help="inference engine (default: native when available, else llama.cpp)")
+                   help="inference engine (default: native, kvchat's own)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default: {DEFAULT_CTX})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
