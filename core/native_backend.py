@@ -52,10 +52,12 @@ class NativeBackend(Backend):
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Run one decode step so numba loads (or, on the very first start, compiles) its kernels
-        now rather than inside the user's first token; reports progress while it does."""
+        """Run a 5-token step (the multi-row kernels) and a decode step so numba loads (or, on the
+        very first start, compiles) its kernels now rather than inside the user's first prompt;
+        reports progress while it does."""
         t0 = time.perf_counter()
         self.progress("preparing kernels", 0, 1)
+        self._forward([self.tokenizer.bos_id or 0] * 5)
         self._forward([self.tokenizer.bos_id or 0])
         self.seq.release()
         self.progress("preparing kernels", 1, 1)
