@@ -85,7 +85,7 @@ class NativeBackend(Backend):
         ids = list(ids)
         start = self.seq.n_tokens
         self.seq.append_slots(len(ids))
-        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, all_logits=True)
+        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, all_logits=True, decode_rows=True)
         self.seq.commit(ids)
         return logits
 

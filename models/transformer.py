@@ -143,7 +143,11 @@ class KVView(Protocol):
 SMALL_BATCH = 64
 
 
-Segment = tuple  # (kv: KVView, start_pos: int, n_tokens: int): one sequence's run of new tokens
+# (kv: KVView, start_pos: int, n_tokens: int[, decode_rows: bool]): one sequence's run of new tokens.
+# decode_rows: attend row by row with the one-token (split-KV) kernel, giving each row exactly the
+# numbers a decode step gives it (speculative checks); default: only for a single token. Otherwise
+# the rows go through the tiled prefill kernel, whose rows do not depend on how a prompt is chunked.
+Segment = tuple
 
 
 def _row_groups(segments: Sequence[Segment]) -> list[tuple[int, int, bool]]:
@@ -152,7 +156,7 @@ def _row_groups(segments: Sequence[Segment]) -> list[tuple[int, int, bool]]:
     go through the same kernels, with the same numbers, whatever else is in the batch."""
     groups: list[tuple[int, int, bool]] = []
     row = 0
-    for _, _, n in segments:
+    for _, _, n, _ in segments:
         gemm = n > SMALL_BATCH
         if groups and not gemm and not groups[-1][2]:
             groups[-1] = (groups[-1][0], row + n, False)
@@ -235,11 +239,11 @@ class Block:
             q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
         o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
         row = 0
-        for kv, start_pos, n in segments:  # each sequence attends to its own paged cache
+        for kv, start_pos, n, decode_rows in segments:  # each sequence attends to its own paged cache
             kc, vc, table = kv.k_cache[self.il], kv.v_cache[self.il], kv.block_table
             rows = slice(row, row + n)
             write_kv(kc, vc, table, start_pos, np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows]))
-            if n <= SMALL_BATCH:  # the one-token kernel row by row: a speculative check sees decode's numbers
+            if decode_rows:  # the one-token kernel row by row: a speculative check sees decode's numbers
                 for i in range(n):
                     o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, cfg.attn_scale,
                                                   self.window)
@@ -297,11 +301,12 @@ class Decoder:
         for b in self.blocks:
             yield from (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down)
 
-    def forward(self, tokens: np.ndarray, start_pos: int, kv: KVView, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, start_pos: int, kv: KVView, all_logits: bool = False,
+                decode_rows: bool | None = None) -> np.ndarray:
         """tokens (T,) at positions start_pos.. whose cache slots `kv` already holds ->
-        logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits."""
+        logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        x = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0])])
+        x = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)])
         if not all_logits:
             x = x[-1:]
         logits = self._logits(x)                                          # (T or 1, n_vocab)
@@ -312,15 +317,17 @@ class Decoder:
         segment (kv, start_pos, n_tokens) with its slots already held. Returns (len(segments), n_vocab),
         each segment's last-token logits, equal to what forward() gives for it alone."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        segments = [(kv, int(s), int(n)) for kv, s, n in segments]
-        if sum(n for _, _, n in segments) != tokens.shape[0] or any(n < 1 for _, _, n in segments):
-            raise ValueError("segments must cover the tokens, each with at least one")
         x = self._hidden(tokens, segments)
-        return self._logits(x[np.cumsum([n for _, _, n in segments]) - 1])
+        return self._logits(x[np.cumsum([seg[2] for seg in segments]) - 1])
 
-    def _hidden(self, tokens: np.ndarray, segments: list[Segment]) -> np.ndarray:
+    def _hidden(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Embedding and every block: (T,) -> (T, D)."""
-        positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for _, s, n in segments])
+        segments = [(seg[0], int(seg[1]), int(seg[2]),
+                     bool(seg[3]) if len(seg) > 3 and seg[3] is not None else int(seg[2]) == 1)
+                    for seg in segments]
+        if sum(n for _, _, n, _ in segments) != tokens.shape[0] or any(n < 1 for _, _, n, _ in segments):
+            raise ValueError("segments must cover the tokens, each with at least one")
+        positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for _, s, n, _ in segments])
         groups = _row_groups(segments)
         x = self.tok_embd.rows(tokens)                                    # (T, D)
         if self.cfg.embed_scale != 1.0:

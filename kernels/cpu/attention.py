@@ -154,8 +154,11 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, o
         acct = np.zeros((hd, R), np.float32)
         st = np.empty((k_cache.shape[1], R), np.float32)
         alpha = np.empty(R, np.float32)
-        _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, lo_pos[0], q_start + t1,
-                     m, l, acct, st, alpha)
+        # keys from the block holding the tile's first visible key: every row then sees its keys
+        # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
+        # result does not depend on how the queries are chunked
+        _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, lo_pos[0] - lo_pos[0] % k_cache.shape[1],
+                     q_start + t1, m, l, acct, st, alpha)
         for t in range(t0, t1):
             for g in range(G):
                 i = (t - t0) * G + g

@@ -105,6 +105,23 @@ def test_prefill_tile_size_does_not_change_result(q_tile, window):
     np.testing.assert_allclose(got, attention_ref(q, k, v, 20, 0.125, window), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("window", [0, 8, 21])
+@pytest.mark.parametrize("split", [(1,) * 6, (2, 3, 1), (6,)])
+def test_prefill_rows_do_not_depend_on_chunking(window, split):
+    """A prompt prefilled in chunks (prefix reuse, continuous batching) gives each query row bit
+    for bit the numbers one big prefill gives it, whatever the tile size."""
+    rng = np.random.default_rng(sum(split) + window)
+    k_cache, v_cache, table, k, v = _cache(70, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = rng.standard_normal((6, 14, 64)).astype(np.float32)
+    whole = attention_prefill(q, k_cache, v_cache, table, 64, 0.125, window)
+    parts, row = [], 0
+    for n in split:
+        parts.append(attention_prefill(q[row:row + n], k_cache, v_cache, table, 64 + row, 0.125, window, q_tile=n))
+        row += n
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
 def test_rejects_non_float32_cache():
     k_cache = np.zeros((2, 16, 1, 64), np.float16)
     with pytest.raises(TypeError):
