@@ -71,11 +71,22 @@ def _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, n_keys_lo,
             srow = st[jj]
             for i in range(R):
                 srow[i] = 0.0
-            for e in range(0, hd, 4):  # 4 head dims per pass: one srow load/store per 4 FMAs
+            e = 0
+            while e + 8 <= hd:  # 8 head dims per pass: one srow load/store per 8 FMAs
+                k0, k1, k2, k3 = kr[e], kr[e + 1], kr[e + 2], kr[e + 3]
+                k4, k5, k6, k7 = kr[e + 4], kr[e + 5], kr[e + 6], kr[e + 7]
+                q0, q1, q2, q3 = qt[e], qt[e + 1], qt[e + 2], qt[e + 3]
+                q4, q5, q6, q7 = qt[e + 4], qt[e + 5], qt[e + 6], qt[e + 7]
+                for i in range(R):
+                    srow[i] += ((k0 * q0[i] + k1 * q1[i]) + (k2 * q2[i] + k3 * q3[i])) + \
+                               ((k4 * q4[i] + k5 * q5[i]) + (k6 * q6[i] + k7 * q7[i]))
+                e += 8
+            while e < hd:  # head dims in fours (hd % 4 == 0)
                 k0, k1, k2, k3 = kr[e], kr[e + 1], kr[e + 2], kr[e + 3]
                 q0, q1, q2, q3 = qt[e], qt[e + 1], qt[e + 2], qt[e + 3]
                 for i in range(R):
                     srow[i] += (k0 * q0[i] + k1 * q1[i]) + (k2 * q2[i] + k3 * q3[i])
+                e += 4
         # new running max (alpha holds it for now); masked scores become -inf
         for i in range(R):
             alpha[i] = m[i]
@@ -183,13 +194,15 @@ def _check_cache(q, k_cache, v_cache, block_table, n_pos):
 
 
 def _choose_q_tile(T: int, n_q_heads: int, n_kv_heads: int) -> int:
-    """Query positions per work item: aim for ~128-256 tile rows (positions x GQA group) so the
-    row-vectorized loops are long, but keep >= 2 work items per thread when T allows."""
+    """Query positions per work item: tiles of up to ~256 rows (positions x GQA group) so the
+    row-vectorized loops are long, as few tiles as that allows, of equal size (a short tail tile
+    runs at a fraction of the speed), and at least one work item per thread."""
     group = n_q_heads // n_kv_heads
-    tile = max(8, min(64, 256 // group))
-    while tile > 8 and n_kv_heads * -(-T // tile) < 2 * numba.get_num_threads():
-        tile //= 2
-    return tile
+    tile_max = max(8, min(64, 256 // group))
+    n_tiles = -(-T // tile_max)
+    while n_kv_heads * n_tiles < numba.get_num_threads() and n_tiles < T:
+        n_tiles += 1
+    return max(1, -(-T // n_tiles))
 
 
 def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: float, window: int = 0,
