@@ -45,7 +45,10 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
 
 def _default_params(args):
     from app.cli import sampling_from_args
-    return sampling_from_args(args)
+    params = sampling_from_args(args)
+    if params.banned:   # backing off needs a per-sequence rollback the batch scheduler does not do
+        raise BadInputError("--ban is not supported by kvchat batch; use kvchat run")
+    return params
 
 
 def line_params(obj: dict, base):

@@ -87,6 +87,7 @@ def test_gemma_has_no_template_and_says_so_once(gemma_path):
     (["tokenize", "-m", "/nonexistent.gguf", "hi"], None, "not found"),
     (["run", "hi", "--speculative", "draft"], None, "--draft-model"),
     (["run", "hi", "--ban", ""], None, "banned string"),
+    (["batch", "-", "-o", "/tmp/kvchat-never-written.jsonl", "--ban", "x"], b'{"id": 1, "prompt": "hi"}\n', "--ban"),
     (["run", "hi", "--speculative", "guess"], None, "invalid choice"),
     (["run", "hi", "--speculative", "lookup", "--draft-n", "0"], None, "--draft-n"),
 ])
