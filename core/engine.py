@@ -30,13 +30,14 @@ def default_backend() -> str:
     return DEFAULT_BACKEND
 
 
-def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None) -> Backend:
+def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None,
+                 progress: registry.Progress | None = None) -> Backend:
     if name == "llama.cpp":
         from core.llamacpp_backend import LlamaCppBackend
         return LlamaCppBackend(gguf, tokenizer, n_ctx, threads)
     if name == "native":
         from core.native_backend import NativeBackend
-        return NativeBackend(gguf, tokenizer, n_ctx, threads)
+        return NativeBackend(gguf, tokenizer, n_ctx, threads, progress=progress)
     raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
 
 
@@ -48,7 +49,10 @@ class Message:
 
 class Engine:
     def __init__(self, model: str = registry.DEFAULT_MODEL, backend: str | None = None, n_ctx: int = DEFAULT_CTX,
-                 threads: int | None = None, progress: registry.Progress | None = None):
+                 threads: int | None = None, progress: registry.Progress | None = None,
+                 backend_progress: registry.Progress | None = None):
+        """progress: the model pull; backend_progress: loading weights and preparing kernels (the
+        TUI's bar; without it the native backend reports on stderr when that is a terminal)."""
         if n_ctx < 16:
             raise BadInputError("--ctx must be at least 16")
         if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
@@ -64,8 +68,9 @@ class Engine:
         train_ctx = self.gguf.arch_get("context_length") or n_ctx
         self.n_ctx = min(n_ctx, int(train_ctx))
         self.backend_name = backend or default_backend()
-        self.threads, self.progress = threads, progress
-        self.backend = load_backend(self.backend_name, self.gguf, self.tokenizer, self.n_ctx, threads)
+        self.threads, self.progress, self.backend_progress = threads, progress, backend_progress
+        self.backend = load_backend(self.backend_name, self.gguf, self.tokenizer, self.n_ctx, threads,
+                                    backend_progress)
         self._draft: tuple[str, Backend] | None = None   # (draft model name, its native backend)
 
     @property
@@ -128,7 +133,8 @@ class Engine:
         if tokenizer.tokens != self.tokenizer.tokens:
             raise BadInputError(f"the draft model {draft_model} has a different vocabulary from {self.model_name}")
         from core.native_backend import NativeBackend
-        self._draft = (draft_model, NativeBackend(g, tokenizer, self.n_ctx, self.threads))
+        self._draft = (draft_model, NativeBackend(g, tokenizer, self.n_ctx, self.threads,
+                                                  progress=self.backend_progress))
         return self._draft[1]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,

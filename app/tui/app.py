@@ -383,7 +383,7 @@ class KvChatApp(App):
         self.post_message(ModelProgress(f"loading {spec}", 0, 0))
         try:
             engine = Engine(spec, backend=self.backend_pref or (self.engine.backend_name if self.engine else None),
-                            n_ctx=self.n_ctx, threads=self.threads, progress=progress)
+                            n_ctx=self.n_ctx, threads=self.threads, progress=progress, backend_progress=progress)
         except Exception as e:   # noqa: BLE001 - a bad file must not take the app down
             self.post_message(ModelFailed(spec, str(e) or type(e).__name__))
             return
