@@ -545,11 +545,11 @@ class KvChatApp(App):
         if spec is None or spec.method == "off":
             return "speculative: off"
         if not backend.supports_speculative:
-            return f"speculative {spec.method}: needs the native backend"
+            return f"speculative {spec.method}\nneeds the native backend"
         stats = backend.stats
         if not stats.spec_drafted:
-            return f"speculative {spec.method}: no drafts yet"
-        return (f"speculative {spec.method}: {stats.spec_accepted}/{stats.spec_drafted} drafts accepted "
+            return f"speculative {spec.method}\nno drafts yet"
+        return (f"speculative {spec.method}\n{stats.spec_accepted}/{stats.spec_drafted} drafts accepted "
                 f"({100 * stats.spec_accepted / stats.spec_drafted:.0f}%)")
 
     def action_toggle_sidebar(self) -> None:

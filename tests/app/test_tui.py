@@ -219,8 +219,8 @@ async def test_xray_shows_speculative_acceptance(tmp_path):
             await pilot.press("ctrl+t")
             await pilot.pause()
             spec = str(app.query_one("#xray-spec").render())
-            assert "speculative lookup:" in spec and "drafts accepted" in spec, spec
-            accepted, drafted = map(int, spec.split(": ")[1].split(" ")[0].split("/"))
+            assert spec.startswith("speculative lookup\n") and "drafts accepted" in spec, spec
+            accepted, drafted = map(int, spec.splitlines()[1].split(" ")[0].split("/"))
             assert 0 < accepted <= drafted
             assert app.reply_widget.content == plain
     finally:
