@@ -96,8 +96,10 @@ class PagedKVCache:
         self.n_ctx = n_ctx
         n_blocks = n_blocks or -(-n_ctx // block_size)
         shape = (n_blocks, block_size, n_kv_heads, head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(n_layer)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(n_layer)]
+        # one allocation per K and V: numpy asks for transparent huge pages on big arrays, so the
+        # cache is faulted in 2 MB at a time instead of one 4 KB page every few tokens per layer
+        self.k = list(np.zeros((n_layer,) + shape, np.float32))      # n_layer x (n_blocks, bs, Hkv, hd)
+        self.v = list(np.zeros((n_layer,) + shape, np.float32))
         self.pool = BlockPool(n_blocks)
         self.sequences: list[Sequence] = []
 
