@@ -70,11 +70,11 @@ class NativeBackend(Backend):
     def _reuse_prefix(self, ids: Sequence[int]) -> int:
         return self.seq.reuse_prefix(ids, len(ids) - 1)
 
-    def _forward(self, ids: Sequence[int]) -> np.ndarray:
+    def _forward(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
         ids = list(ids)
         start = self.seq.n_tokens
         self.seq.append_slots(len(ids))
-        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq)
+        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, vocab_limit=vocab_limit)
         self.seq.commit(ids)
         self._set_torch_threads()
         return logits

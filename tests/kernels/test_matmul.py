@@ -235,3 +235,20 @@ def test_matmul_int8_rows(ggml_type, m, n_rows, parallel, monkeypatch):
     for i in range(m):
         np.testing.assert_array_equal(got[i], qm.matmul_int8(Int8Rows(x[i:i + 1], kind))[0])
     _assert_close(got, w, xr, GEMV_RTOL)
+
+
+@pytest.mark.parametrize("n_out", [1, 16, 17, 40])
+def test_matmul_int8_first_rows_only(n_out):
+    """A draft model scores a truncated vocabulary: the first n_out rows of W, exactly the full
+    product's first n_out columns."""
+    from kernels.cpu.matmul import Int8Rows
+
+    qm, w, rng = _setup(8, 45, 256, n_out)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    if qm.tiles is None:   # no AVX-512 VNNI: no tile kernels, the models layer slices the full product
+        assert 8 not in TILE16_TYPES
+        return
+    rows = Int8Rows(x, "q8_0")
+    part = qm.matmul_int8(rows, n_out)
+    assert part.shape == (3, n_out)
+    np.testing.assert_array_equal(part, qm.matmul_int8(rows)[:, :n_out])
