@@ -474,7 +474,8 @@ def _on_grid(x, xq, dx, blk, tol):
 
 
 # rows kernels: out (M, 16 * n_tiles) = int8 rows (xq32, dx, sums) x tiles; rows go MR_* at a
-# time (quant.MR_*) through one decode of each weight block, the remainder one by one.
+# time (quant.MR_*) through one decode of each weight block, the remainder one by one. Four explicit
+# copies: numba's on-disk cache does not take a closure over the intrinsic.
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
 def _rows_q5_0(tiles, xq32, dx, sums, out):
     M = xq32.shape[0]

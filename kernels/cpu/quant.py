@@ -219,8 +219,25 @@ def _acc_add(builder, acc, iacc, scale):
     builder.store(builder.fadd(builder.load(acc), prod, flags=("contract",)), acc)
 
 
+def _block32_rows(builder, first, second, dw, b, rows, xa, da, sa, accs):
+    """The per-row part of a 32-element block kernel (Q5_0, Q8_0): `first[g]` / `second[g]` hold
+    elements 4g..4g+3 / 16+4g..16+4g+3 of 16 weight rows as unsigned bytes, dw their f16 scales
+    widened; sums[row, b] is the type's offset times the block sum of x, folded into the integer dot."""
+    xi = builder.mul(b, _c64(8))
+    for m, row in enumerate(rows):
+        acc0 = _splat(builder, builder.load(_at2(builder, sa, row, b)), V16I)
+        acc1 = ir.Constant(V16I, [0] * 16)
+        for g in range(4):
+            x0 = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(g))))
+            x1 = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(4 + g))))
+            acc0 = _dpbusd(builder, acc0, first[g], _splat(builder, x0, V16I))
+            acc1 = _dpbusd(builder, acc1, second[g], _splat(builder, x1, V16I))
+        scale = builder.fmul(dw, _splat(builder, builder.load(_at2(builder, da, row, b)), V16F))
+        _acc_add(builder, accs[m], builder.add(acc0, acc1), scale)
+
+
 def _q5_0_block(builder, p, b, rows, xa, da, sa, accs):
-    # sums = -16 * per-32 sums of int8 x: the Q5_0 offset, folded into the integer accumulator.
+    # sums = -16 * per-32 sums of int8 x: the Q5_0 offset.
     m0f, m10 = _vconst(V16I, 0x0F0F0F0F), _vconst(V16I, 0x10101010)
     hb = _vload(builder, builder.gep(p, [_c64(256)]), V16I)
     lo, hi = [], []
@@ -230,34 +247,14 @@ def _q5_0_block(builder, p, b, rows, xa, da, sa, accs):
         hi.append(builder.or_(builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f),
                               builder.and_(_shift(builder, hb, 3 - 2 * g), m10)))
     dw = builder.fpext(_vload(builder, builder.gep(p, [_c64(320)]), V16H), V16F)
-    xi = builder.mul(b, _c64(8))
-    for m, row in enumerate(rows):
-        acc0 = _splat(builder, builder.load(_at2(builder, sa, row, b)), V16I)
-        acc1 = ir.Constant(V16I, [0] * 16)
-        for g in range(4):
-            xlo = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(g))))
-            xhi = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(4 + g))))
-            acc0 = _dpbusd(builder, acc0, lo[g], _splat(builder, xlo, V16I))
-            acc1 = _dpbusd(builder, acc1, hi[g], _splat(builder, xhi, V16I))
-        scale = builder.fmul(dw, _splat(builder, builder.load(_at2(builder, da, row, b)), V16F))
-        _acc_add(builder, accs[m], builder.add(acc0, acc1), scale)
+    _block32_rows(builder, lo, hi, dw, b, rows, xa, da, sa, accs)
 
 
 def _q8_0_block(builder, p, b, rows, xa, da, sa, accs):
     # weights stored as q + 128 (unsigned for vpdpbusd); sums = -128 * per-32 sums of int8 x.
     w = [_vload(builder, builder.gep(p, [_c64(64 * g)]), V16I) for g in range(8)]
     dw = builder.fpext(_vload(builder, builder.gep(p, [_c64(512)]), V16H), V16F)
-    xi = builder.mul(b, _c64(8))
-    for m, row in enumerate(rows):
-        acc0 = _splat(builder, builder.load(_at2(builder, sa, row, b)), V16I)
-        acc1 = ir.Constant(V16I, [0] * 16)
-        for g in range(4):
-            x0 = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(g))))
-            x1 = builder.load(_at2(builder, xa, row, builder.add(xi, _c64(4 + g))))
-            acc0 = _dpbusd(builder, acc0, w[g], _splat(builder, x0, V16I))
-            acc1 = _dpbusd(builder, acc1, w[4 + g], _splat(builder, x1, V16I))
-        scale = builder.fmul(dw, _splat(builder, builder.load(_at2(builder, da, row, b)), V16F))
-        _acc_add(builder, accs[m], builder.add(acc0, acc1), scale)
+    _block32_rows(builder, w[:4], w[4:], dw, b, rows, xa, da, sa, accs)
 
 
 def _q4_k_block(builder, p, b, rows, xa, da, sa, accs):
