@@ -204,6 +204,7 @@ class Backend(ABC):
         cache_n = self._reuse_prefix(prompt_ids)
         todo = prompt_ids[cache_n:]
         stats.phase, stats.cache_n, stats.prefill_done, stats.prefill_total = "prefill", cache_n, 0, len(todo)
+        self._enter_phase("prefill")
         stats.n_past = cache_n
         logits = None
         for start in range(0, len(todo), PREFILL_CHUNK):
@@ -221,6 +222,7 @@ class Backend(ABC):
         detok = self.tokenizer.stream_decoder()
         held = ""              # text that may be the start of a stop string
         stats.phase = "decode"
+        self._enter_phase("decode")
         t_last = t_prompt_end
         n_out = 0
         if speculative is not None and speculative.method != "off":
@@ -264,6 +266,9 @@ class Backend(ABC):
         if tail:
             yield TokenEvent(-1, tail, time.perf_counter())
         self._finish("cancelled" if cancel.is_set() else "length", t_start, t_prompt_end, cache_n, len(todo))
+
+    def _enter_phase(self, phase: str) -> None:
+        """Called as generation enters "prefill" and "decode" (a backend may retune its threads)."""
 
     def _plain_tokens(self, logits: np.ndarray, sampler: Sampler) -> Iterator[int]:
         """One forward pass per token: sample, hand the token out, then extend the cache with it."""

@@ -11,6 +11,7 @@ text and status) so that a crash of the UI loses nothing that was generated.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -285,6 +286,8 @@ class KvChatApp(App):
         last_post = last_checkpoint = time.monotonic()
         try:
             self.post_message(ResponseStarted(reply_id))
+            if self.threads is None and hasattr(engine.backend, "decode_threads"):
+                engine.backend.decode_threads = max(1, (os.cpu_count() or 1) - 1)   # a core for the UI
             spec = self.speculative if engine.backend.supports_speculative else None
             for event in engine.generate(ids, params, cancel, spec):
                 if worker.is_cancelled:

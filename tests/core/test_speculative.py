@@ -128,3 +128,28 @@ def test_draft_model_must_share_the_vocabulary(target15, gemma_path):
     with pytest.raises(BadInputError, match="vocabulary"):
         list(target15.generate(ids, SamplingParams(max_tokens=2),
                                speculative=SpeculativeConfig("draft", 3, "gemma-3-270m")))
+
+
+def test_decode_threads_apply_to_the_decode_phase_only(native):
+    """The chat leaves a core to the interface while decoding (decode_threads); prefill keeps all
+    threads. Below 512 cached keys decode attention runs unsplit and every matmul row is computed
+    the same way at any thread count, so the tokens are the same."""
+    import numba
+
+    backend = native.backend
+    ids = native.prompt_ids("Name three primes.")
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    backend.reset()
+    both = [e.id for e in native.generate(ids, greedy)]
+    try:
+        backend.decode_threads = 1
+        backend._enter_phase("decode")
+        assert numba.get_num_threads() == 1
+        backend._enter_phase("prefill")
+        assert numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
+        backend.reset()
+        assert [e.id for e in native.generate(ids, greedy)] == both
+        assert numba.get_num_threads() == 1                 # generation ended in the decode phase
+    finally:
+        backend.decode_threads = None
+        backend._enter_phase("prefill")
