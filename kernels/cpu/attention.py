@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from kernels.cpu.ops import PAR_MIN, pick, serial_twin, vexp
+from kernels.cpu.quant import V16F, _c64, _i64, _splat, _vload
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf marks masked scores
 
@@ -46,19 +50,181 @@ def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
            np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
 
 
+# Register-blocked micro-kernels of the prefill tile (LLVM vector IR: numba's auto-vectorizer
+# keeps the accumulators in memory, which left the scalar loops at a third of FMA peak).
+# Rows of the tile are the vector lanes (16 per vector), so every lane (query row) gets the
+# same sequence of fused multiply-adds whichever vector it sits in: a row's result does not
+# depend on the tile around it.
+
+def _store16(builder, ptr, val):
+    builder.store(val, builder.bitcast(ptr, V16F.as_pointer()), align=4)
+
+
+def _fma_into(builder, acc, a, b):
+    prod = builder.fmul(a, b, flags=("contract",))
+    builder.store(builder.fadd(builder.load(acc), prod, flags=("contract",)), acc)
+
+
+def _qk_kernel(n_keys: int, n_vec: int):
+    """qk(qt, kf, kbase, kstride, st, j0, i0): st[j0+j, i0:i0+16*n_vec] = sum_e kf[kbase + (j0+j)*kstride
+    + e] * qt[e, i0:i0+16*n_vec] for j < n_keys. qt (hd, Rp) queries, kf the flat K cache, st (bs, Rp)."""
+
+    def kern(typingctx, qt, kf, kbase, kstride, st, j0, i0):
+        sig = types.void(qt, kf, kbase, kstride, st, j0, i0)
+
+        def codegen(context, builder, signature, args):
+            qa = context.make_array(signature.args[0])(context, builder, args[0])
+            ka = context.make_array(signature.args[1])(context, builder, args[1])
+            sa = context.make_array(signature.args[4])(context, builder, args[4])
+            kbase, kstride, j0, i0 = (_i64(builder, args[i]) for i in (2, 3, 5, 6))
+            hd, rq = builder.extract_value(qa.shape, 0), builder.extract_value(qa.shape, 1)
+            zero = ir.Constant(V16F, [0.0] * 16)
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(n_vec)] for _ in range(n_keys)]
+            krows = [builder.gep(ka.data, [builder.add(kbase, builder.mul(builder.add(j0, _c64(j)), kstride))])
+                     for j in range(n_keys)]
+            with cgutils.for_range(builder, hd) as loop:
+                e = loop.index
+                qrow = builder.gep(qa.data, [builder.add(builder.mul(e, rq), i0)])
+                qv = [_vload(builder, builder.gep(qrow, [_c64(16 * v)]), V16F) for v in range(n_vec)]
+                for j in range(n_keys):
+                    kv = _splat(builder, builder.load(builder.gep(krows[j], [e])), V16F)
+                    for v in range(n_vec):
+                        _fma_into(builder, accs[j][v], kv, qv[v])
+            rs = builder.extract_value(sa.shape, 1)
+            for j in range(n_keys):
+                srow = builder.gep(sa.data, [builder.add(builder.mul(builder.add(j0, _c64(j)), rs), i0)])
+                for v in range(n_vec):
+                    _store16(builder, builder.gep(srow, [_c64(16 * v)]), builder.load(accs[j][v]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"qk_{n_keys}x{n_vec}"
+    return intrinsic(kern)
+
+
+def _pv_kernel(n_dims: int, n_vec: int):
+    """pv(st, vf, vbase, vstride, n, acct, e0, i0): acct[e0+d, i0:i0+16*n_vec] += sum_{j<n} st[j, i0:..]
+    * vf[vbase + j*vstride + e0 + d] for d < n_dims, keys in order."""
+
+    def kern(typingctx, st, vf, vbase, vstride, n, acct, e0, i0):
+        sig = types.void(st, vf, vbase, vstride, n, acct, e0, i0)
+
+        def codegen(context, builder, signature, args):
+            sa = context.make_array(signature.args[0])(context, builder, args[0])
+            va = context.make_array(signature.args[1])(context, builder, args[1])
+            aa = context.make_array(signature.args[5])(context, builder, args[5])
+            vbase, vstride, n, e0, i0 = (_i64(builder, args[i]) for i in (2, 3, 4, 6, 7))
+            rs, ra = builder.extract_value(sa.shape, 1), builder.extract_value(aa.shape, 1)
+            arows = [builder.gep(aa.data, [builder.add(builder.mul(builder.add(e0, _c64(d)), ra), i0)])
+                     for d in range(n_dims)]
+            accs = [[cgutils.alloca_once(builder, V16F) for _ in range(n_vec)] for _ in range(n_dims)]
+            for d in range(n_dims):
+                for v in range(n_vec):
+                    builder.store(_vload(builder, builder.gep(arows[d], [_c64(16 * v)]), V16F), accs[d][v])
+            with cgutils.for_range(builder, n) as loop:
+                j = loop.index
+                prow = builder.gep(sa.data, [builder.add(builder.mul(j, rs), i0)])
+                pv = [_vload(builder, builder.gep(prow, [_c64(16 * v)]), V16F) for v in range(n_vec)]
+                vrow = builder.gep(va.data, [builder.add(builder.add(vbase, builder.mul(j, vstride)), e0)])
+                for d in range(n_dims):
+                    vv = _splat(builder, builder.load(builder.gep(vrow, [_c64(d)])), V16F)
+                    for v in range(n_vec):
+                        _fma_into(builder, accs[d][v], pv[v], vv)
+            for d in range(n_dims):
+                for v in range(n_vec):
+                    _store16(builder, builder.gep(arows[d], [_c64(16 * v)]), builder.load(accs[d][v]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"pv_{n_dims}x{n_vec}"
+    return intrinsic(kern)
+
+
+# 4 keys (or 4 head dims) x 4 vectors = 16 accumulators, 8 loads per 16 FMAs; the 1-key and
+# narrower variants take the edges.
+qk_4x4, qk_4x3, qk_4x2, qk_4x1 = (_qk_kernel(4, v) for v in (4, 3, 2, 1))
+qk_1x4, qk_1x3, qk_1x2, qk_1x1 = (_qk_kernel(1, v) for v in (4, 3, 2, 1))
+pv_4x4, pv_4x3, pv_4x2, pv_4x1 = (_pv_kernel(4, v) for v in (4, 3, 2, 1))
+
+
+@njit(cache=True, inline="always")
+def _qk_rows(qt, kf, kbase, kstride, st, j0, nv):
+    """Scores of keys j0..j0+3 over all nv vectors of rows."""
+    v0 = 0
+    while v0 + 4 <= nv:
+        qk_4x4(qt, kf, kbase, kstride, st, j0, 16 * v0)
+        v0 += 4
+    r = nv - v0
+    if r == 3:
+        qk_4x3(qt, kf, kbase, kstride, st, j0, 16 * v0)
+    elif r == 2:
+        qk_4x2(qt, kf, kbase, kstride, st, j0, 16 * v0)
+    elif r == 1:
+        qk_4x1(qt, kf, kbase, kstride, st, j0, 16 * v0)
+
+
+@njit(cache=True, inline="always")
+def _qk_rows1(qt, kf, kbase, kstride, st, j0, nv):
+    v0 = 0
+    while v0 + 4 <= nv:
+        qk_1x4(qt, kf, kbase, kstride, st, j0, 16 * v0)
+        v0 += 4
+    r = nv - v0
+    if r == 3:
+        qk_1x3(qt, kf, kbase, kstride, st, j0, 16 * v0)
+    elif r == 2:
+        qk_1x2(qt, kf, kbase, kstride, st, j0, 16 * v0)
+    elif r == 1:
+        qk_1x1(qt, kf, kbase, kstride, st, j0, 16 * v0)
+
+
+@njit(cache=True, inline="always")
+def _scores(qt, kf, kbase, kstride, st, n):
+    """st[j, :] = K[j] . qt for the block's keys j < n (K row j at kf[kbase + j*kstride])."""
+    nv = qt.shape[1] // 16
+    j = 0
+    while j + 4 <= n:
+        _qk_rows(qt, kf, kbase, kstride, st, j, nv)
+        j += 4
+    while j < n:
+        _qk_rows1(qt, kf, kbase, kstride, st, j, nv)
+        j += 1
+
+
+@njit(cache=True, inline="always")
+def _accumulate_pv(st, vf, vbase, vstride, n, acct):
+    """acct[e, :] += sum_{j<n} st[j, :] * V[j, e] (V row j at vf[vbase + j*vstride]); hd % 4 == 0."""
+    hd = acct.shape[0]
+    nv = acct.shape[1] // 16
+    for e0 in range(0, hd, 4):
+        v0 = 0
+        while v0 + 4 <= nv:
+            pv_4x4(st, vf, vbase, vstride, n, acct, e0, 16 * v0)
+            v0 += 4
+        r = nv - v0
+        if r == 3:
+            pv_4x3(st, vf, vbase, vstride, n, acct, e0, 16 * v0)
+        elif r == 2:
+            pv_4x2(st, vf, vbase, vstride, n, acct, e0, 16 * v0)
+        elif r == 1:
+            pv_4x1(st, vf, vbase, vstride, n, acct, e0, 16 * v0)
+
+
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
-def _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, n_keys_lo, n_keys_hi,
+def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_lo, n_keys_hi,
                  m, l, acct, st, alpha):
     """Prefill: online-softmax update of R query rows over keys [n_keys_lo, n_keys_hi).
 
-    Everything is laid out with the R rows (16 positions x the GQA group) as the contiguous,
-    vectorized dimension: qt (hd, R) holds the scaled queries, st (bs, R) the scores of one
-    cache block, acct (hd, R) the unnormalised output. Scores and P@V are then sums of outer
-    products (one K/V row times all R rows), each loaded K/V row serves the whole tile, and
-    the softmax bookkeeping (mask, max, exp, rescale) is elementwise over R.
-    pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p.
+    The R rows (positions x the GQA group, padded to a multiple of 16) are the vector lanes:
+    qt (hd, R) holds the scaled queries, st (bs, R) the scores of one cache block, acct (hd, R)
+    the unnormalised output. Scores and P@V run in the register-blocked micro-kernels, each
+    loaded K/V element serving 16-64 rows; the softmax bookkeeping (mask, max, exp, rescale) is
+    elementwise over R. kf/vf: the layer's K/V cache flattened from (n_blocks, bs, Hkv, hd), so
+    key (blk, off) of head kvh starts at ((blk*bs + off)*Hkv + kvh)*hd and kstride = Hkv*hd.
+    pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p (padding rows: none).
     """
-    bs = k_cache.shape[1]
     hd, R = qt.shape
     j0 = n_keys_lo
     while j0 < n_keys_hi:
@@ -66,27 +232,8 @@ def _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, n_keys_lo,
         off0 = j0 % bs
         j1 = min(n_keys_hi, j0 - off0 + bs)
         n = j1 - j0
-        for jj in range(n):
-            kr = k_cache[blk, off0 + jj, kvh]
-            srow = st[jj]
-            for i in range(R):
-                srow[i] = 0.0
-            e = 0
-            while e + 8 <= hd:  # 8 head dims per pass: one srow load/store per 8 FMAs
-                k0, k1, k2, k3 = kr[e], kr[e + 1], kr[e + 2], kr[e + 3]
-                k4, k5, k6, k7 = kr[e + 4], kr[e + 5], kr[e + 6], kr[e + 7]
-                q0, q1, q2, q3 = qt[e], qt[e + 1], qt[e + 2], qt[e + 3]
-                q4, q5, q6, q7 = qt[e + 4], qt[e + 5], qt[e + 6], qt[e + 7]
-                for i in range(R):
-                    srow[i] += ((k0 * q0[i] + k1 * q1[i]) + (k2 * q2[i] + k3 * q3[i])) + \
-                               ((k4 * q4[i] + k5 * q5[i]) + (k6 * q6[i] + k7 * q7[i]))
-                e += 8
-            while e < hd:  # head dims in fours (hd % 4 == 0)
-                k0, k1, k2, k3 = kr[e], kr[e + 1], kr[e + 2], kr[e + 3]
-                q0, q1, q2, q3 = qt[e], qt[e + 1], qt[e + 2], qt[e + 3]
-                for i in range(R):
-                    srow[i] += (k0 * q0[i] + k1 * q1[i]) + (k2 * q2[i] + k3 * q3[i])
-                e += 4
+        base = (blk * bs + off0) * kstride + kvh * hd
+        _scores(qt, kf, base, kstride, st, n)
         # new running max (alpha holds it for now); masked scores become -inf
         for i in range(R):
             alpha[i] = m[i]
@@ -114,35 +261,15 @@ def _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, n_keys_lo,
                 pv = vexp(srow[i] - m_ref) if srow[i] > -np.inf else np.float32(0.0)
                 srow[i] = pv
                 l[i] += pv
-        jj = 0
-        while jj + 4 <= n:  # 4 keys per pass: one acct row load/store per 4 FMAs
-            v0 = v_cache[blk, off0 + jj, kvh]
-            v1 = v_cache[blk, off0 + jj + 1, kvh]
-            v2 = v_cache[blk, off0 + jj + 2, kvh]
-            v3 = v_cache[blk, off0 + jj + 3, kvh]
-            p0, p1, p2, p3 = st[jj], st[jj + 1], st[jj + 2], st[jj + 3]
-            for e in range(hd):
-                a0, a1, a2, a3 = v0[e], v1[e], v2[e], v3[e]
-                arow = acct[e]
-                for i in range(R):
-                    arow[i] += (p0[i] * a0 + p1[i] * a1) + (p2[i] * a2 + p3[i] * a3)
-            jj += 4
-        while jj < n:
-            vr = v_cache[blk, off0 + jj, kvh]
-            srow = st[jj]
-            for e in range(hd):
-                ve = vr[e]
-                arow = acct[e]
-                for i in range(R):
-                    arow[i] += srow[i] * ve
-            jj += 1
+        _accumulate_pv(st, vf, base, kstride, n, acct)
         j0 = j1
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
 def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, out):
     T, Hq, hd = q.shape
-    Hkv = k_cache.shape[2]
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
     G = Hq // Hkv
     n_tiles = (T + q_tile - 1) // q_tile
     for w in prange(Hkv * n_tiles):
@@ -150,9 +277,10 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, o
         t0 = (w % n_tiles) * q_tile
         t1 = min(T, t0 + q_tile)
         R = (t1 - t0) * G
-        qt = np.empty((hd, R), np.float32)  # column i = (t - t0) * G + g
-        pos = np.empty(R, np.int64)
-        lo_pos = np.empty(R, np.int64)
+        Rp = (R + 15) // 16 * 16                # lanes: rows padded to whole vectors
+        qt = np.zeros((hd, Rp), np.float32)     # column i = (t - t0) * G + g
+        pos = np.full(Rp, -1, np.int64)         # padding rows see no key
+        lo_pos = np.zeros(Rp, np.int64)
         for t in range(t0, t1):
             for g in range(G):
                 i = (t - t0) * G + g
@@ -160,15 +288,15 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, o
                     qt[e, i] = q[t, kvh * G + g, e] * scale
                 pos[i] = q_start + t
                 lo_pos[i] = max(0, q_start + t - window + 1) if window > 0 else 0
-        m = np.full(R, -np.inf, np.float32)
-        l = np.zeros(R, np.float32)
-        acct = np.zeros((hd, R), np.float32)
-        st = np.empty((k_cache.shape[1], R), np.float32)
-        alpha = np.empty(R, np.float32)
+        m = np.full(Rp, -np.inf, np.float32)
+        l = np.zeros(Rp, np.float32)
+        acct = np.zeros((hd, Rp), np.float32)
+        st = np.empty((bs, Rp), np.float32)
+        alpha = np.empty(Rp, np.float32)
         # keys from the block holding the tile's first visible key: every row then sees its keys
         # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
         # result does not depend on how the queries are chunked
-        _attend_tile(qt, k_cache, v_cache, block_table, kvh, pos, lo_pos, lo_pos[0] - lo_pos[0] % k_cache.shape[1],
+        _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, lo_pos[0] - lo_pos[0] % bs,
                      q_start + t1, m, l, acct, st, alpha)
         for t in range(t0, t1):
             for g in range(G):
@@ -184,6 +312,8 @@ _prefill_serial = serial_twin(_prefill)
 def _check_cache(q, k_cache, v_cache, block_table, n_pos):
     if k_cache.dtype != np.float32 or v_cache.dtype != np.float32:
         raise TypeError(f"KV cache must be float32, got {k_cache.dtype} / {v_cache.dtype}")
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("the KV cache of a layer must be C-contiguous")
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
         raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape} must match (n_blocks, bs, Hkv, hd)")
     Hq, hd = q.shape[-2], q.shape[-1]
