@@ -123,6 +123,40 @@ async def test_history_survives_restart(engine, tmp_path):
         assert titles == ["Roses are red"]
 
 
+async def test_long_chat_mounts_only_recent_messages(engine, tmp_path, monkeypatch):
+    """A long chat mounts its last SHOWN_MESSAGES messages behind an "earlier messages" line (every
+    layout pass of a streaming reply walks the mounted widgets); f6 shows them all; sending trims
+    the view again once it is well over the limit. Nothing leaves the history."""
+    import app.tui.app as tui
+    from app.tui.widgets.messages import EarlierMessages, MessageBox
+    db = tmp_path / "h.db"
+    h = History(db)
+    conv = h.create_conversation("long", model=engine.model_name)
+    for i in range(20):
+        h.add_message(conv, "user", f"question {i}")
+        h.add_message(conv, "assistant", f"answer {i}", model=engine.model_name)
+    h.close()
+    app = make_app(engine, db, max_tokens=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        boxes = list(app.query(MessageBox))
+        assert len(boxes) == tui.SHOWN_MESSAGES == 30
+        assert boxes[0].content == "question 5" and boxes[-1].content == "answer 19"
+        assert app.query_one(EarlierMessages).n_hidden == 10
+        await pilot.press("f6")
+        await pilot.pause()
+        assert len(app.query(MessageBox)) == 40 and not app.query(EarlierMessages)
+        monkeypatch.setattr(tui, "SHOWN_MESSAGES", 4)
+        await type_and_send(pilot, "one more")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "reply")
+        boxes = list(app.query(MessageBox))
+        # trimmed when the message was sent (41 mounted > 4 + 10), then the reply joined
+        assert [b.content for b in boxes] == ["answer 18", "question 19", "answer 19", "one more",
+                                              app.reply_widget.content]
+        assert app.query_one(EarlierMessages).n_hidden == 37
+        assert len(History(db).messages(conv)) == 42
+
+
 async def test_corrupt_model_file_is_reported_and_current_model_kept(engine, tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x00garbage" * 1000)

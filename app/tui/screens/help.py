@@ -27,6 +27,7 @@ HELP = """\
 | **ctrl+g** | copy the focused (or last) reply |
 | **ctrl+l** | copy the last code block of the focused (or last) reply |
 | **ctrl+o** | export this chat (Markdown) to the data folder |
+| **f6** | show the earlier messages of a long chat (the view keeps the last 30) |
 | **f10** | dark / light theme |
 | **tab** | move focus (click or tab onto a message to copy it) |
 | **? / f1** | this help |

@@ -75,3 +75,19 @@ class AssistantMessage(MessageBox):
         self.status, self.note = status, note
         await self.query_one(Markdown).update(self.content or ("*(no text)*" if status == "complete" else ""))
         self._show_status()
+
+
+class EarlierMessages(Static, can_focus=True):
+    """Stands in for the older messages of a long chat, which are not mounted (every layout pass
+    of a streaming reply walks all mounted widgets). Click it, or press f6, to show them."""
+
+    def __init__(self, n_hidden: int, **kwargs):
+        super().__init__(**kwargs)
+        self.n_hidden = n_hidden
+
+    def render(self) -> str:
+        noun = "message" if self.n_hidden == 1 else "messages"
+        return f"▲ {self.n_hidden} earlier {noun} · f6 or click to show"
+
+    def on_click(self) -> None:
+        self.app.run_action("show_earlier")
