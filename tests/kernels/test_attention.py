@@ -43,6 +43,7 @@ PREFILL_CASES = [
     (100, 0, 4, 2, 256, 32, 8),
     (50, 33, 14, 2, 64, 16, 8),
     (17, 16, 2, 2, 128, 16, 8),
+    (20, 5, 4, 2, 40, 16, 0),      # head_dim not a multiple of 16
 ]
 
 
@@ -69,6 +70,9 @@ DECODE_CASES = [
     (100, 4, 2, 128, 16, 8, 0),
     (9, 8, 4, 256, 16, 8, 3),
     (700, 14, 2, 64, 16, 512, 0),
+    (50, 4, 2, 40, 16, 0, 0),      # head_dim not a multiple of 16: the row-dot kernel
+    (37, 6, 2, 64, 4, 0, 2),       # blocks smaller than a 16-key chunk
+    (70, 8, 1, 64, 32, 0, 0),      # blocks larger than a 16-key chunk
 ]
 
 
