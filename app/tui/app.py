@@ -93,15 +93,16 @@ class KvChatApp(App):
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
     BINDINGS = [
+        # the footer shows the first ones; at 80 columns everything up to Help must fit
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "new_chat", "New"),
         Binding("ctrl+r", "regenerate", "Regen"),
-        Binding("ctrl+e", "edit_last", "Edit", priority=True),
         Binding("f4", "settings", "Settings"),
         Binding("f5", "switch_model", "Model"),
         Binding("ctrl+t", "toggle_xray", "X-ray"),
         Binding("ctrl+b", "toggle_sidebar", "Chats"),
         Binding("question_mark,f1", "help", "Help"),
+        Binding("ctrl+e", "edit_last", "Edit", show=False, priority=True),
         Binding("f2", "rename_chat", "Rename", show=False),
         Binding("f3", "system_prompt", "System prompt", show=False),
         Binding("f8", "delete_chat", "Delete chat", show=False),
@@ -149,7 +150,7 @@ class KvChatApp(App):
                 yield ChatInput(id="input")
             yield XRayPanel(id="xray")
         yield StatusBar("", id="status", markup=False)
-        yield Footer(compact=True)
+        yield Footer(compact=True, show_command_palette=False)  # ctrl+p still opens it
 
     async def on_mount(self) -> None:
         self.query_one("#messages", VerticalScroll).anchor()

@@ -31,6 +31,7 @@ HELP = """\
 | **f10** | dark / light theme |
 | **tab** | move focus (click or tab onto a message to copy it) |
 | **? / f1** | this help |
+| **ctrl+p** | command palette |
 | **ctrl+q** | quit |
 
 The status bar shows, after each reply: TTFT, prompt eval rate, eval rate, context used N/max
