@@ -1,8 +1,9 @@
 """The paged KV cache: preallocated fixed-size blocks, a ref-counted block pool, block tables,
 and prefix caching by chained block hashes.
 
-Layout per layer: k, v (n_blocks, block_size, n_kv_heads, head_dim) float32, allocated once for
-the whole context (np.zeros: pages are only touched, and counted in RSS, once written).
+Layout per layer: k, v (n_blocks, block_size, n_kv_heads, head_dim) float16, as llama.cpp keeps
+them, allocated once for the whole context (np.zeros: pages are only touched, and counted in RSS,
+once written).
 
 Ownership is explicit:
 - `BlockPool` owns every physical block: a ref count per block (how many sequences' block tables
@@ -98,8 +99,8 @@ class PagedKVCache:
         shape = (n_blocks, block_size, n_kv_heads, head_dim)
         # one allocation per K and V: numpy asks for transparent huge pages on big arrays, so the
         # cache is faulted in 2 MB at a time instead of one 4 KB page every few tokens per layer
-        self.k = list(np.zeros((n_layer,) + shape, np.float32))      # n_layer x (n_blocks, bs, Hkv, hd)
-        self.v = list(np.zeros((n_layer,) + shape, np.float32))
+        self.k = list(np.zeros((n_layer,) + shape, np.float16))      # n_layer x (n_blocks, bs, Hkv, hd)
+        self.v = list(np.zeros((n_layer,) + shape, np.float16))
         self.pool = BlockPool(n_blocks)
         self.sequences: list[Sequence] = []
 

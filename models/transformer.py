@@ -235,8 +235,8 @@ class Block:
             k = rms_norm(k.reshape(-1, hd), self.k_norm, cfg.norm_eps).reshape(T, cfg.n_head_kv, hd)
         q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hq, hd)
         k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hkv, hd)
-        if self.llama_rounding:  # llama.cpp keeps K and V in f16 and multiplies K by an f16 copy of Q
-            q, k, v = round_to_f16(q), round_to_f16(k), round_to_f16(v)
+        if self.llama_rounding:  # llama.cpp multiplies K by an f16 copy of Q (K and V: the f16 cache)
+            q = round_to_f16(q)
         o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
         row = 0
         for kv, start_pos, n, decode_rows in segments:  # each sequence attends to its own paged cache

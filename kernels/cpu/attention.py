@@ -1,7 +1,8 @@
 """Tiled (flash) attention over a paged KV cache, numba.
 
-Cache per layer: k_cache, v_cache (n_blocks, block_size, n_kv_heads, head_dim) float32; a
-sequence's block_table maps logical block i (positions i*bs .. i*bs+bs-1) to a physical
+Cache per layer: k_cache, v_cache (n_blocks, block_size, n_kv_heads, head_dim) float16 (as
+llama.cpp keeps K and V; the kernels see it as uint16 bits, numba has no float16, and widen to
+float32 on load: all arithmetic is float32); a sequence's block_table maps logical block i (positions i*bs .. i*bs+bs-1) to a physical
 block. Key j is visible to the query at position p iff j <= p and, with window > 0,
 p - j < window (llama.cpp's is_masked_swa masks p - j >= n_swa).
 
@@ -19,26 +20,51 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.ops import PAR_MIN, pick, serial_twin, vexp
-from kernels.cpu.quant import V16F, _c64, _i64, _splat, _vload
+from kernels.cpu.quant import V16F, V16H, _c64, _i64, _splat, _vload
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf marks masked scores
 
 
+@intrinsic
+def f16_bits(typingctx, x):
+    """float32 x rounded to the nearest float16 (ties to even), as its uint16 bits."""
+    sig = types.uint16(x)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_value(typingctx, bits):
+    """The float16 with these uint16 bits, as float32 (exact)."""
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _write_kv(k_cache, v_cache, block_table, start_pos, k, v):
+    """k_cache/v_cache: the float16 cache as uint16; k, v (T, Hkv, hd) float32."""
     bs = k_cache.shape[1]
     for t in prange(k.shape[0]):
         p = start_pos + t
         blk = block_table[p // bs]
-        k_cache[blk, p % bs, :, :] = k[t]
-        v_cache[blk, p % bs, :, :] = v[t]
+        for h in range(k.shape[1]):
+            for e in range(k.shape[2]):
+                k_cache[blk, p % bs, h, e] = f16_bits(k[t, h, e])
+                v_cache[blk, p % bs, h, e] = f16_bits(v[t, h, e])
 
 
 _write_kv_serial = serial_twin(_write_kv)
 
 
 def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
-    """Store k, v (T, Hkv, hd) at positions start_pos .. start_pos+T-1 of the sequence."""
+    """Store k, v (T, Hkv, hd), rounded to float16, at positions start_pos .. start_pos+T-1."""
     T = k.shape[0]
     bs = k_cache.shape[1]
     if T == 0:
@@ -46,8 +72,10 @@ def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
     if (start_pos + T - 1) // bs >= len(block_table):
         raise ValueError(f"positions up to {start_pos + T - 1} need more than {len(block_table)} blocks")
     kernel = pick(_write_kv, _write_kv_serial, k.size)
-    kernel(k_cache, v_cache, np.ascontiguousarray(block_table, np.int32), int(start_pos),
-           np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
+    if k_cache.dtype != np.float16 or v_cache.dtype != np.float16:
+        raise TypeError(f"KV cache must be float16, got {k_cache.dtype} / {v_cache.dtype}")
+    kernel(k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
+           int(start_pos), np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
 
 
 # Register-blocked micro-kernels of the prefill tile (LLVM vector IR: numba's auto-vectorizer
@@ -143,6 +171,11 @@ def _pv_kernel(n_dims: int, n_vec: int):
 
 
 
+def _vload_f16(builder, ptr):
+    """16 float16 (uint16 bits) at ptr, widened to float32 (vcvtph2ps)."""
+    return builder.fpext(_vload(builder, ptr, V16H), V16F)
+
+
 def _hsum16x16(builder, vecs):
     """16 vectors of 16 partial sums -> one vector whose lane j is the total of vecs[j]. Each level
     adds pairs of vectors: with k keys per input vector, key i's P = 16/k partials in lanes
@@ -164,7 +197,7 @@ def _hsum16x16(builder, vecs):
 @intrinsic
 def dec_qk16(typingctx, qg, kf, kbase, kstride, n, s):
     """Decode scores of one chunk of up to 16 keys: s[g, j] = qg[g] . kf[kbase + j*kstride : +hd]
-    for every head g of the group and j < n (lanes j >= n repeat key n-1). The 16 keys' products
+    (kf: the float16 K cache as uint16) for every head g of the group and j < n (lanes j >= n repeat key n-1). The 16 keys' products
     accumulate along head_dim in 16 vectors, reduced at the end by _hsum16x16; hd % 16 == 0."""
     sig = types.void(qg, kf, kbase, kstride, n, s)
 
@@ -190,7 +223,7 @@ def dec_qk16(typingctx, qg, kf, kbase, kstride, n, s):
                 e = builder.mul(cl.index, _c64(16))
                 qv = _vload(builder, builder.gep(qrow, [e]), V16F)
                 for j in range(16):
-                    _fma_into(builder, accs[j], _vload(builder, builder.gep(krows[j], [e]), V16F), qv)
+                    _fma_into(builder, accs[j], _vload_f16(builder, builder.gep(krows[j], [e])), qv)
             total = _hsum16x16(builder, [builder.load(acc) for acc in accs])
             srow = builder.gep(sa.data, [builder.mul(g, builder.extract_value(sa.shape, 1))])
             _store16(builder, srow, total)
@@ -201,7 +234,7 @@ def dec_qk16(typingctx, qg, kf, kbase, kstride, n, s):
 
 def _dec_pv_kernel(n_vec: int):
     """dec_pv(s, vf, vbase, vstride, n, acc, e0): acc[g, e0:e0+16*n_vec] += sum_{j<n} s[g, j] *
-    vf[vbase + j*vstride + e0 : ...] for every head g; keys in order."""
+    vf[vbase + j*vstride + e0 : ...] for every head g; keys in order (vf: float16 V as uint16)."""
 
     def kern(typingctx, s, vf, vbase, vstride, n, acc, e0):
         sig = types.void(s, vf, vbase, vstride, n, acc, e0)
@@ -225,7 +258,7 @@ def _dec_pv_kernel(n_vec: int):
                     p = _splat(builder, builder.load(builder.gep(prow, [j])), V16F)
                     vrow = builder.gep(va.data, [builder.add(builder.add(vbase, builder.mul(j, vstride)), e0)])
                     for v in range(n_vec):
-                        _fma_into(builder, regs[v], _vload(builder, builder.gep(vrow, [_c64(16 * v)]), V16F), p)
+                        _fma_into(builder, regs[v], _vload_f16(builder, builder.gep(vrow, [_c64(16 * v)])), p)
                 for v in range(n_vec):
                     _store16(builder, builder.gep(arow, [_c64(16 * v)]), builder.load(regs[v]))
             return context.get_dummy_value()
@@ -241,7 +274,7 @@ dec_pv_4, dec_pv_3, dec_pv_2, dec_pv_1 = (_dec_pv_kernel(v) for v in (4, 3, 2, 1
 
 @intrinsic
 def prefetch_rows(typingctx, arr, base, stride, n_rows, row_len):
-    """Software prefetch (into L2) of n_rows rows of row_len floats at arr[base + r*stride]: the
+    """Software prefetch (into L2) of n_rows rows of row_len elements at arr[base + r*stride]: the
     next chunk's keys and values while this one computes (DRAM latency otherwise stalls decode
     attention at long contexts)."""
     sig = types.void(arr, base, stride, n_rows, row_len)
@@ -255,9 +288,32 @@ def prefetch_rows(typingctx, arr, base, stride, n_rows, row_len):
                                             "llvm.prefetch.p0")
         with cgutils.for_range(builder, n_rows) as rl:
             row = builder.bitcast(builder.gep(a.data, [builder.add(base, builder.mul(rl.index, stride))]), i8p)
-            with cgutils.for_range(builder, builder.udiv(builder.add(row_len, _c64(15)), _c64(16))) as cl:
+            per_line = 64 // (signature.args[0].dtype.bitwidth // 8)
+            n_lines = builder.udiv(builder.add(row_len, _c64(per_line - 1)), _c64(per_line))
+            with cgutils.for_range(builder, n_lines) as cl:
                 builder.call(fn, [builder.gep(row, [builder.mul(cl.index, _c64(64))]), ir.Constant(i32t, 0),
                                   ir.Constant(i32t, 2), ir.Constant(i32t, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def widen_rows16(typingctx, src, base, stride, n, hd, dst):
+    """dst[r*hd : (r+1)*hd] = float16 rows src[base + r*stride : +hd] (uint16 bits) as float32, for
+    r < n, 16 values per vcvtph2ps; hd % 16 == 0."""
+    sig = types.void(src, base, stride, n, hd, dst)
+
+    def codegen(context, builder, signature, args):
+        sa = context.make_array(signature.args[0])(context, builder, args[0])
+        da = context.make_array(signature.args[5])(context, builder, args[5])
+        base, stride, n, hd = (_i64(builder, args[i]) for i in (1, 2, 3, 4))
+        with cgutils.for_range(builder, n) as rl:
+            srow = builder.gep(sa.data, [builder.add(base, builder.mul(rl.index, stride))])
+            drow = builder.gep(da.data, [builder.mul(rl.index, hd)])
+            with cgutils.for_range(builder, builder.udiv(hd, _c64(16))) as cl:
+                e = builder.mul(cl.index, _c64(16))
+                _store16(builder, builder.gep(drow, [e]), _vload_f16(builder, builder.gep(srow, [e])))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -350,15 +406,16 @@ def _accumulate_pv(st, vf, vbase, vstride, n, acct):
 
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
 def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_lo, n_keys_hi,
-                 m, l, acct, st, alpha):
+                 m, l, acct, st, alpha, kbuf, vbuf):
     """Prefill: online-softmax update of R query rows over keys [n_keys_lo, n_keys_hi).
 
     The R rows (positions x the GQA group, padded to a multiple of 16) are the vector lanes:
     qt (hd, R) holds the scaled queries, st (bs, R) the scores of one cache block, acct (hd, R)
     the unnormalised output. Scores and P@V run in the register-blocked micro-kernels, each
     loaded K/V element serving 16-64 rows; the softmax bookkeeping (mask, max, exp, rescale) is
-    elementwise over R. kf/vf: the layer's K/V cache flattened from (n_blocks, bs, Hkv, hd), so
-    key (blk, off) of head kvh starts at ((blk*bs + off)*Hkv + kvh)*hd and kstride = Hkv*hd.
+    elementwise over R. kf/vf: the layer's float16 K/V cache (uint16 bits) flattened from
+    (n_blocks, bs, Hkv, hd), so key (blk, off) of head kvh starts at ((blk*bs + off)*Hkv + kvh)*hd
+    and kstride = Hkv*hd; each block's rows are widened once into kbuf/vbuf (bs*hd float32).
     pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p (padding rows: none).
     """
     hd, R = qt.shape
@@ -369,7 +426,15 @@ def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_
         j1 = min(n_keys_hi, j0 - off0 + bs)
         n = j1 - j0
         base = (blk * bs + off0) * kstride + kvh * hd
-        _scores(qt, kf, base, kstride, st, n)
+        if hd % 16 == 0:
+            widen_rows16(kf, base, kstride, n, hd, kbuf)
+            widen_rows16(vf, base, kstride, n, hd, vbuf)
+        else:
+            for jj in range(n):
+                for e in range(hd):
+                    kbuf[jj * hd + e] = f16_value(kf[base + jj * kstride + e])
+                    vbuf[jj * hd + e] = f16_value(vf[base + jj * kstride + e])
+        _scores(qt, kbuf, 0, hd, st, n)
         # new running max (alpha holds it for now); masked scores become -inf
         for i in range(R):
             alpha[i] = m[i]
@@ -397,7 +462,7 @@ def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_
                 pv = vexp(srow[i] - m_ref) if srow[i] > -np.inf else np.float32(0.0)
                 srow[i] = pv
                 l[i] += pv
-        _accumulate_pv(st, vf, base, kstride, n, acct)
+        _accumulate_pv(st, vbuf, 0, hd, n, acct)
         j0 = j1
 
 
@@ -429,11 +494,13 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, o
         acct = np.zeros((hd, Rp), np.float32)
         st = np.empty((bs, Rp), np.float32)
         alpha = np.empty(Rp, np.float32)
+        kbuf = np.empty(bs * hd, np.float32)
+        vbuf = np.empty(bs * hd, np.float32)
         # keys from the block holding the tile's first visible key: every row then sees its keys
         # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
         # result does not depend on how the queries are chunked
         _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, lo_pos[0] - lo_pos[0] % bs,
-                     q_start + t1, m, l, acct, st, alpha)
+                     q_start + t1, m, l, acct, st, alpha, kbuf, vbuf)
         for t in range(t0, t1):
             for g in range(G):
                 i = (t - t0) * G + g
@@ -446,8 +513,8 @@ _prefill_serial = serial_twin(_prefill)
 
 
 def _check_cache(q, k_cache, v_cache, block_table, n_pos):
-    if k_cache.dtype != np.float32 or v_cache.dtype != np.float32:
-        raise TypeError(f"KV cache must be float32, got {k_cache.dtype} / {v_cache.dtype}")
+    if k_cache.dtype != np.float16 or v_cache.dtype != np.float16:
+        raise TypeError(f"KV cache must be float16, got {k_cache.dtype} / {v_cache.dtype}")
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ValueError("the KV cache of a layer must be C-contiguous")
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
@@ -482,8 +549,8 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
     if q.shape[0]:
         work = q.shape[0] * (q_start + q.shape[0]) * q.shape[1] * q.shape[2] // 16  # ~ MACs / 16
         kernel = pick(_prefill, _prefill_serial, work)
-        kernel(q, k_cache, v_cache, np.ascontiguousarray(block_table, np.int32), int(q_start),
-               np.float32(scale), int(window), int(q_tile), out)
+        kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
+               int(q_start), np.float32(scale), int(window), int(q_tile), out)
     return out
 
 
@@ -584,7 +651,7 @@ def _decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_pa
                     qr = qg[g]
                     dot = np.float32(0.0)
                     for e in range(hd):
-                        dot += qr[e] * kr[e]
+                        dot += qr[e] * f16_value(kr[e])
                     s[g, jj] = dot
             for g in range(G):
                 sg = s[g]
@@ -608,7 +675,7 @@ def _decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_pa
                     pv = s[g, jj]
                     a = acc[g]
                     for e in range(hd):
-                        a[e] += pv * vr[e]
+                        a[e] += pv * f16_value(vr[e])
             j0 = j1
         for g in range(G):
             m_part[kvh * G + g, sp] = m[g]
@@ -677,8 +744,8 @@ def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, 
         kernel = _decode_partial_v if parallel else _decode_partial_v_serial
     else:
         kernel = _decode_partial if parallel else _decode_partial_serial
-    kernel(q, k_cache, v_cache, np.ascontiguousarray(block_table, np.int32), lo, n_kv, chunk,
-           np.float32(scale), o_part, m_part, l_part)
+    kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
+           lo, n_kv, chunk, np.float32(scale), o_part, m_part, l_part)
     out = np.empty((Hq, hd), np.float32)
     _merge_splits(o_part, m_part, l_part, out)
     return out

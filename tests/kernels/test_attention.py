@@ -11,14 +11,15 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 def _cache(n_tokens, hkv, hd, bs, rng, n_spare=3):
-    """A shuffled (non-identity) block table over a pool with spare blocks, filled via write_kv."""
+    """A shuffled (non-identity) block table over a pool with spare blocks, and k, v on the float16
+    grid of the cache (so write_kv stores them exactly and the float64 reference sees the same)."""
     n_seq_blocks = -(-n_tokens // bs)
     n_blocks = n_seq_blocks + n_spare
-    k_cache = np.full((n_blocks, bs, hkv, hd), np.nan, np.float32)  # unwritten slots poison the result
+    k_cache = np.full((n_blocks, bs, hkv, hd), np.nan, np.float16)  # unwritten slots poison the result
     v_cache = np.full_like(k_cache, np.nan)
     table = rng.permutation(n_blocks)[:n_seq_blocks].astype(np.int32)
-    k = rng.standard_normal((n_tokens, hkv, hd)).astype(np.float32)
-    v = rng.standard_normal((n_tokens, hkv, hd)).astype(np.float32)
+    k = rng.standard_normal((n_tokens, hkv, hd)).astype(np.float16).astype(np.float32)
+    v = rng.standard_normal((n_tokens, hkv, hd)).astype(np.float16).astype(np.float32)
     return k_cache, v_cache, table, k, v
 
 
@@ -126,10 +127,29 @@ def test_prefill_rows_do_not_depend_on_chunking(window, split):
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
-def test_rejects_non_float32_cache():
-    k_cache = np.zeros((2, 16, 1, 64), np.float16)
+def test_rejects_non_float16_cache():
+    k_cache = np.zeros((2, 16, 1, 64), np.float32)
+    table = np.arange(2, dtype=np.int32)
     with pytest.raises(TypeError):
-        attention_decode(np.zeros((1, 64), np.float32), k_cache, k_cache, np.arange(2, dtype=np.int32), 3, 0.125)
+        attention_decode(np.zeros((1, 64), np.float32), k_cache, k_cache, table, 3, 0.125)
+    with pytest.raises(TypeError):
+        write_kv(k_cache, k_cache, table, 0, np.zeros((1, 1, 64), np.float32), np.zeros((1, 1, 64), np.float32))
+
+
+def test_write_kv_rounds_to_nearest_float16():
+    """The cache holds K and V in float16 as llama.cpp does: write_kv rounds to nearest, ties to
+    even, exactly like numpy's cast."""
+    rng = np.random.default_rng(3)
+    k_cache = np.zeros((2, 16, 2, 64), np.float16)
+    v_cache = np.zeros_like(k_cache)
+    k = (rng.standard_normal((20, 2, 64)) * np.logspace(-6, 4, 64)).astype(np.float32)
+    k[0, 0, :4] = [np.float32(1 + 2 ** -11), np.float32(1 + 3 * 2 ** -11), 70000.0, -1e-9]  # ties, overflow, underflow
+    v = -k
+    table = np.array([1, 0], np.int32)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    with np.errstate(over="ignore"):                         # 70000 -> inf, as in the cache
+        np.testing.assert_array_equal(gather_kv_ref(k_cache, table, 20), k.astype(np.float16))
+        np.testing.assert_array_equal(gather_kv_ref(v_cache, table, 20), v.astype(np.float16))
 
 
 @pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["parallel", "serial"])
