@@ -24,14 +24,20 @@ def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None) -> np.ndarray:
-    """ggml_rope (freq_scale 1, no YaRN). x (T, H, hd). Dims >= n_rot pass through."""
+    """ggml_rope (freq_scale 1, no YaRN). x (T, H, hd). Dims >= n_rot pass through.
+
+    The angles are ggml's: theta_scale = powf(base, -2/n_rot) and, per position, theta = pos then
+    theta *= theta_scale pair by pair, in float32 (at position 4000 they are ~1e-4 rad off the
+    exact pos * base^(-2i/n_rot); llama.cpp's model runs with these). The rest is float64."""
     T, H, hd = x.shape
     n_rot = hd if n_rot is None else n_rot
+    theta_scale = np.power(np.float32(theta), np.float32(-2.0) / np.float32(n_rot), dtype=np.float32)
     out = x.astype(np.float64).copy()
     for t in range(T):
+        ang = np.float32(positions[t])
         for i in range(n_rot // 2):
-            ang = positions[t] * theta ** (-2.0 * i / n_rot)
-            c, s = np.cos(ang), np.sin(ang)
+            c, s = np.cos(np.float64(ang)), np.sin(np.float64(ang))
+            ang = np.float32(ang * theta_scale)
             a, b = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
             x0, x1 = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)
             out[t, :, a] = x0 * c - x1 * s
@@ -54,7 +60,12 @@ def swiglu_ref(gate, up):
 
 
 def geglu_tanh_ref(gate, up):
-    return (gelu_tanh_ref(gate) * up).astype(np.float32)
+    """ggml's GELU (GGML_GELU_FP16): gelu of the float16-rounded gate, rounded to float16, for
+    -10 < gate < 10; 0 below, gate itself above; times up."""
+    g = np.asarray(gate, np.float32)
+    table_value = gelu_tanh_ref(g.astype(np.float16)).astype(np.float16).astype(np.float64)
+    gelu = np.where(g <= -10, 0.0, np.where(g >= 10, g.astype(np.float64), table_value))
+    return (gelu * np.asarray(up, np.float64)).astype(np.float32)
 
 
 def softmax_ref(x, axis=-1):

@@ -17,9 +17,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.attention_tiles import (dec_qk16, decode_pv, f16_bits, f16_value, prefetch_rows, tile_pv,
-                                         tile_scores, widen_rows16)
-from kernels.cpu.ops import PAR_MIN, pick, serial_twin, vexp
+from kernels.cpu.attention_tiles import dec_qk16, decode_pv, prefetch_rows, tile_pv, tile_scores, widen_rows16
+from kernels.cpu.ops import PAR_MIN, f16_bits, f16_value, pick, serial_twin, vexp
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf marks masked scores
 

@@ -17,28 +17,6 @@ from numba.extending import intrinsic
 from kernels.cpu.quant import V16F, V16H, _c64, _i64, _splat, _vload
 
 
-@intrinsic
-def f16_bits(typingctx, x):
-    """float32 x rounded to the nearest float16 (ties to even), as its uint16 bits."""
-    sig = types.uint16(x)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
-@intrinsic
-def f16_value(typingctx, bits):
-    """The float16 with these uint16 bits, as float32 (exact)."""
-    sig = types.float32(bits)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
 def _store16(builder, ptr, val):
     builder.store(val, builder.bitcast(ptr, V16F.as_pointer()), align=4)
 

@@ -7,6 +7,7 @@ import types as pytypes
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 # fastmath without nnan/ninf: -inf is a legal input (masked logits).
@@ -46,6 +47,69 @@ def _pow2i(typingctx, n):
     return sig, codegen
 
 
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c with one rounding (llvm.fma.f32): for code that must round as C intrinsics do."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """float32 x rounded to the nearest float16 (ties to even), as its uint16 bits."""
+    sig = types.uint16(x)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_value(typingctx, bits):
+    """The float16 with these uint16 bits, as float32 (exact)."""
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def _hexf(s: str) -> np.float32:
+    return np.float32(float.fromhex(s))
+
+
+_E_R, _E_LOG2E, _E_LN2_HI, _E_LN2_LO = _hexf("0x1.8p23"), _hexf("0x1.715476p+0"), _hexf("0x1.62e4p-1"), _hexf("0x1.7f7d1cp-20")
+_E_C5, _E_C4, _E_C3, _E_C2, _E_C1 = (_hexf("0x1.0e4020p-7"), _hexf("0x1.573e2ep-5"), _hexf("0x1.555e66p-3"),
+                                     _hexf("0x1.fffdb6p-2"), _hexf("0x1.ffffecp-1"))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def ggml_expf(x):
+    """ggml_v_expf (the AVX-512 build of llama.cpp's vec.h) lane for lane: the same fused
+    multiply-adds in the same order, so SiLU gives llama.cpp's bits. Beyond |n| > 192 it
+    saturates to 0 / inf like ggml; results below 2^-126 may round differently (irrelevant)."""
+    z = fma32(x, _E_LOG2E, _E_R)
+    n = z - _E_R
+    b = fma32(-n, _E_LN2_LO, fma32(-n, _E_LN2_HI, x))
+    u = b * b
+    j = fma32(fma32(fma32(_E_C5, b, _E_C4), u, fma32(_E_C3, b, _E_C2)), u, fma32(_E_C1, b, np.float32(1.0)))
+    if abs(n) > np.float32(192.0):
+        return np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
+    if n < np.float32(-126.0):      # scalef into the subnormals: two exact steps, then one rounding
+        return j * _pow2i(n + np.float32(126.0)) * _pow2i(np.float32(-126.0))
+    if n > np.float32(127.0):       # overflows to inf, as scalef does
+        return j * _pow2i(np.float32(127.0)) * _pow2i(n - np.float32(127.0))
+    return j * _pow2i(n)
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # few mantissa bits: n * _LN2_HI is exact
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -70,16 +134,20 @@ def vexp(x):
     return p * _pow2i(n)
 
 
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: the sum keeps ggml's order
 def _rms_norm(x, w, eps, out):
+    """ggml_compute_forward_rms_norm_f32 to the bit: float32 squares summed in float64 in order,
+    mean and 1/sqrt(mean + eps) in float32, then x * scale * w."""
     T, D = x.shape
     for t in prange(T):
-        ss = 0.0  # float64 sum: D up to a few thousand, keeps the norm exact to f32
+        ss = 0.0
         for i in range(D):
-            ss += np.float64(x[t, i]) * x[t, i]
-        inv = np.float32(1.0 / math.sqrt(ss / D + eps))
+            xi = x[t, i]
+            ss += np.float64(xi * xi)
+        mean = np.float32(ss / D)
+        scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
         for i in range(D):
-            out[t, i] = x[t, i] * inv * w[i]
+            out[t, i] = x[t, i] * scale * w[i]
 
 
 _rms_norm_serial = serial_twin(_rms_norm)
@@ -89,20 +157,21 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x (T, D) or (D,), w (D,) -> x / rms(x) * w. Gemma callers pass (1 + w)."""
     x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    pick(_rms_norm, _rms_norm_serial, x2.size)(x2, np.ascontiguousarray(w, np.float32), float(eps), out)
+    pick(_rms_norm, _rms_norm_serial, x2.size)(x2, np.ascontiguousarray(w, np.float32), np.float32(eps), out)
     return out.reshape(x.shape)
 
 
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _rope(x, positions, inv_freq, neox, n_rot, out):
+@njit(parallel=True, fastmath={"contract"}, cache=True, error_model="numpy")
+def _rope(x, positions, theta_scale, neox, n_rot, out):
+    """ggml's angles: theta = pos, then theta *= theta_scale per pair, in float32; cosf/sinf."""
     T, H, hd = x.shape
     half = n_rot // 2
     for t in prange(T):
-        pos = np.float64(positions[t])
+        theta = np.float32(positions[t])
         for i in range(half):
-            ang = pos * inv_freq[i]  # float64 angle: positions up to 32k keep ~1e-12 accuracy
-            c = np.float32(math.cos(ang))
-            s = np.float32(math.sin(ang))
+            c = math.cos(theta)
+            s = math.sin(theta)
+            theta = theta * theta_scale
             a = i if neox else 2 * i
             b = i + half if neox else 2 * i + 1
             for h in range(H):
@@ -129,10 +198,11 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: 
     n_rot = hd if n_rot is None else int(n_rot)
     if n_rot % 2 or n_rot > hd:
         raise ValueError(f"n_rot={n_rot} must be even and <= head_dim={hd}")
-    inv_freq = float(theta) ** (-2.0 * np.arange(n_rot // 2, dtype=np.float64) / n_rot)
+    # powf(freq_base, -2.0f/n_dims), as ggml_rope_cache_init
+    theta_scale = np.power(np.float32(theta), np.float32(-2.0) / np.float32(n_rot), dtype=np.float32)
     out = np.empty_like(x)
     kernel = pick(_rope, _rope_serial, x.size)
-    kernel(x, np.ascontiguousarray(positions, np.int64), inv_freq, bool(neox), n_rot, out)
+    kernel(x, np.ascontiguousarray(positions, np.int64), np.float32(theta_scale), bool(neox), n_rot, out)
     return out
 
 
@@ -141,27 +211,48 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: 
 CHUNK = 4096
 
 
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: ggml_v_silu's exact rounding
 def _swiglu(g, u, out):
+    """silu(g) * u as ggml_vec_swiglu_f32 (AVX-512): x / (1 + ggml_expf(-x)) * u, IEEE division."""
     n = g.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
         gc, uc, oc = g[c * CHUNK:(c + 1) * CHUNK], u[c * CHUNK:(c + 1) * CHUNK], out[c * CHUNK:(c + 1) * CHUNK]
         for i in range(gc.shape[0]):
             x = gc[i]
-            oc[i] = x / (np.float32(1.0) + vexp(-x)) * uc[i]
+            oc[i] = x / (np.float32(1.0) + ggml_expf(np.float32(0.0) - x)) * uc[i]
 
 
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _geglu_tanh(g, u, out):
-    k = np.float32(math.sqrt(2.0 / math.pi))
+@njit(cache=True, error_model="numpy")  # no fastmath: ggml_gelu_f32's rounding
+def _gelu_f16_table():
+    """ggml's GGML_GELU_FP16 table: for every float16 bit pattern f, f16(gelu(f)) widened to float32,
+    with gelu(x) = 0.5*x*(1 + tanhf(sqrt(2/pi)*x*(1 + 0.044715*x*x))) in float32 (the inner
+    1 + a*x*x fused, as GCC compiles ggml-cpu.c)."""
+    table = np.empty(65536, np.float32)
+    a = np.float32(0.044715)
+    k = np.float32(0.79788456080286535587989211986876)
+    for i in range(65536):
+        x = f16_value(np.uint16(i))
+        inner = fma32(a * x, x, np.float32(1.0))
+        y = np.float32(0.5) * x * (np.float32(1.0) + np.float32(math.tanh(k * x * inner)))
+        table[i] = f16_value(f16_bits(y))
+    return table
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _geglu_tanh(g, u, out, table):
+    """gelu(g) * u as ggml_vec_geglu_f32 with GGML_GELU_FP16: 0 below -10, g * u above 10, else the
+    table entry of f16(g), times u."""
     n = g.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
         gc, uc, oc = g[c * CHUNK:(c + 1) * CHUNK], u[c * CHUNK:(c + 1) * CHUNK], out[c * CHUNK:(c + 1) * CHUNK]
         for i in range(gc.shape[0]):
             x = gc[i]
-            y = k * (x + np.float32(0.044715) * x * x * x)
-            th = np.float32(1.0) - np.float32(2.0) / (vexp(np.float32(2.0) * y) + np.float32(1.0))  # tanh(y)
-            oc[i] = np.float32(0.5) * x * (np.float32(1.0) + th) * uc[i]
+            if x <= np.float32(-10.0):
+                oc[i] = np.float32(0.0)
+            elif x >= np.float32(10.0):
+                oc[i] = x * uc[i]
+            else:
+                oc[i] = table[f16_bits(x)] * uc[i]
 
 
 _swiglu_serial = serial_twin(_swiglu)
@@ -183,9 +274,21 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return _glu(_swiglu, _swiglu_serial, gate, up)
 
 
+_GELU_TABLE: np.ndarray | None = None
+
+
 def geglu_tanh(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gelu(gate) * up with ggml's tanh approximation of gelu."""
-    return _glu(_geglu_tanh, _geglu_tanh_serial, gate, up)
+    """gelu(gate) * up with ggml's tanh approximation of gelu, through its float16 table."""
+    global _GELU_TABLE
+    if _GELU_TABLE is None:
+        _GELU_TABLE = _gelu_f16_table()
+    g = np.ascontiguousarray(gate, np.float32)
+    u = np.ascontiguousarray(up, np.float32)
+    if g.shape != u.shape:
+        raise ValueError(f"gate {g.shape} and up {u.shape} differ")
+    out = np.empty_like(g)
+    pick(_geglu_tanh, _geglu_tanh_serial, g.size)(g.reshape(-1), u.reshape(-1), out.reshape(-1), _GELU_TABLE)
+    return out
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")

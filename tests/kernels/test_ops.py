@@ -51,7 +51,16 @@ def test_glu(fn, ref, shape):
     u = rng.standard_normal(shape).astype(np.float32)
     got = fn(g, u)
     assert got.shape == shape and got.dtype == np.float32
-    np.testing.assert_allclose(got, ref(g, u), rtol=RTOL, atol=ATOL)
+    if fn is geglu_tanh:
+        # a float16 table, as ggml's: its float32 gelu (1 + tanh cancels for gate < -4) vs the
+        # float64 reference can land on the neighbouring float16 (one f16 ulp, < 1e-3), or differ
+        # in the f16 subnormals (|gelu| < 6e-5); elsewhere the two agree to the bit
+        want = ref(g, u)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=ATOL)
+        normal = np.abs(want / np.where(u == 0, 1, u)) > 1e-4
+        assert (got == want)[normal].mean() > 0.99
+    else:
+        np.testing.assert_allclose(got, ref(g, u), rtol=RTOL, atol=ATOL)
 
 
 def test_glu_extremes_are_finite():
