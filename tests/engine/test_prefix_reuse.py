@@ -1,9 +1,12 @@
 """Prefix reuse across turns on the native engine.
 
 Reuse changes which kernels computed the cached tokens: a reply's K/V come from the one-token
-(f32 GEMV) kernels, while a cold run computes the same tokens in the batched (bf16 GEMM) prefill.
-So warm and cold logits differ at rounding level (measured <= 0.4 on logits of ~20), and greedy
-output can only differ where the cold top-2 margin is below that. The checks: every turn reuses
+(split-KV decode) attention, while a cold run computes the same tokens in the tiled prefill; the
+two sum in different orders, and a flip of one q8 activation rounding downstream turns that into
+a visible logit difference (measured up to 0.62 on logits of ~17.5, 3.5%; llama.cpp's own
+batched and one-token paths differ by up to 0.43 on qwen and 1.2 on gemma's ~17, 7%). So warm
+and cold logits must agree within 5% of the largest, and greedy output can only differ where the
+cold top-2 margin is a near tie. The checks: every turn reuses
 the whole previous conversation (cache_n), the X-ray's block map shows those blocks as shared,
 and warm and cold pick the same next token wherever the choice is not a near tie.
 """
@@ -50,6 +53,6 @@ def test_five_turn_conversation_reuses_the_history(native):
         backend.reset()                                     # empty cache, no prefix registrations
         cold = backend._forward(ids)
         top2 = np.sort(cold)[-2:]
-        assert np.abs(warm - cold).max() <= 0.03 * np.abs(cold).max(), f"turn {turn}"
+        assert np.abs(warm - cold).max() <= 0.05 * np.abs(cold).max(), f"turn {turn}"
         if top2[1] - top2[0] > NEAR_TIE:
             assert warm.argmax() == cold.argmax(), f"turn {turn}"
