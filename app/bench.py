@@ -1,4 +1,4 @@
-"""`kvchat bench`: llama-bench's tests (pp N, tg N) plus TTFT, with backends interleaved.
+"""`kvchat bench`: llama-bench's tests (pp N, tg N, tg N at depth D) plus TTFT, with backends interleaved.
 
 Each round runs every backend once, test by test, so a slow patch of a noisy machine hits them
 alike and their ratio holds. Decode GB/s = weight bytes read per token x tokens/s.
@@ -44,11 +44,15 @@ def time_prefill(engine, ids: list[int]) -> tuple[float, float]:
     return timings.prompt_ms / 1000, timings.ttft_ms / 1000
 
 
-def time_decode(engine, first: int, n_gen: int) -> float:
-    """Seconds for n_gen decode steps (after a 1-token prompt), ignoring end-of-generation tokens."""
+def time_decode(engine, first: int, n_gen: int, context: list[int] | None = None) -> float:
+    """Seconds for n_gen decode steps after a 1-token prompt, or after `context` (prefilled first,
+    untimed: decode at depth), ignoring end-of-generation tokens."""
     backend = engine.backend
     backend._reuse_prefix([-1, -1])        # no cached prefix can match: empties the cache
-    logits = backend._forward([first])
+    ids = list(context or []) + [first]
+    for start in range(0, len(ids) - 1, 512):
+        backend._forward(ids[start:min(start + 512, len(ids) - 1)])
+    logits = backend._forward(ids[-1:])
     t0 = time.perf_counter()
     token = first
     for _ in range(n_gen):
@@ -177,8 +181,13 @@ def cmd_bench(args) -> int:
             raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
     if args.n_prompt < 1 or args.n_gen < 1 or args.repetitions < 1:
         raise BadInputError("-p, -n and -r must be at least 1")
+    if args.depth < 0:
+        raise BadInputError("--depth must be >= 0")
     model = args.model or registry.DEFAULT_MODEL
-    args.ctx = args.ctx or max(args.n_prompt, args.n_gen + 1, 2048 if (args.multiturn or args.speculative) else 0) + 64
+    args.ctx = args.ctx or max(args.n_prompt, args.depth + args.n_gen + 1,
+                               2048 if (args.multiturn or args.speculative) else 0) + 64
+    if args.depth + args.n_gen + 1 > args.ctx:
+        raise BadInputError(f"--depth {args.depth} + -n {args.n_gen} do not fit --ctx {args.ctx}")
     engines = {}
     for name in names:
         args.backend = name
@@ -197,14 +206,15 @@ def cmd_bench(args) -> int:
         time_decode(engine, 1, 4)
 
     samples: dict[tuple[str, str], list[float]] = {}
-    pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}"
+    pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}" + (f"@d{args.depth}" if args.depth else "")
     for rep in range(args.repetitions):
         for name, engine in engines.items():
             prompt = random_prompt(rng, args.n_prompt, n_vocab, avoid)
             prompt_s, ttft_s = time_prefill(engine, prompt)
             samples.setdefault((name, pp), []).append(args.n_prompt / prompt_s)
             samples.setdefault((name, "ttft"), []).append(ttft_s * 1000)
-            decode_s = time_decode(engine, prompt[0], args.n_gen)
+            context = random_prompt(rng, args.depth, n_vocab, avoid) if args.depth else None
+            decode_s = time_decode(engine, prompt[0], args.n_gen, context)
             samples.setdefault((name, tg), []).append(args.n_gen / decode_s)
             print(f"round {rep + 1}/{args.repetitions} {name}: {pp} {args.n_prompt / prompt_s:.1f} t/s, "
                   f"{tg} {args.n_gen / decode_s:.1f} t/s", file=sys.stderr)

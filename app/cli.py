@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="rounds (default: 3)")
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--ctx", type=int, default=None, help="context (default: enough for the test)")
+    bench.add_argument("-d", "--depth", type=int, default=0,
+                       help="tg after this many tokens already in the context (llama-bench's -d; default: 0)")
     bench.add_argument("--json", action="store_true", help="one JSON row per (backend, test)")
     bench.add_argument("--plot", default=None, metavar="PNG", help="also write a bar chart")
     bench.add_argument("--multiturn", action="store_true",

@@ -200,6 +200,20 @@ def test_bench_json_rows(qwen_path):
     assert tg["gb_s"] == pytest.approx(tg["t_s_mean"] * 0.392, rel=0.05)
 
 
+def test_bench_decode_at_depth(qwen_path):
+    """--depth D times decode with D tokens already in the context, on both backends."""
+    out = run_kvchat("bench", "--backend", "native,llama.cpp", "-p", "16", "-n", "4", "-d", "40", "-r", "1", "--json")
+    assert out.returncode == 0, out.stderr.decode()
+    rows = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert {(r["backend"], r["test"]) for r in rows} == {(b, t) for b in ("native", "llama.cpp")
+                                                          for t in ("pp16", "tg4@d40", "ttft")}
+    assert all(r["t_s_mean"] > 0 for r in rows)
+    bad = run_kvchat("bench", "-d", "-1")
+    assert bad.returncode == 2 and bad.stderr.decode().count("\n") == 1 and "--depth" in bad.stderr.decode()
+    too_deep = run_kvchat("bench", "-d", "100", "-n", "8", "--ctx", "64")
+    assert too_deep.returncode == 2 and "do not fit" in too_deep.stderr.decode()
+
+
 def test_batch_cli_writes_every_answer_and_resumes(qwen_path, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     answers = tmp_path / "answers.jsonl"
