@@ -55,8 +55,33 @@ def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
 
 
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
-def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_lo, n_keys_hi,
-                 m, l, acct, st, alpha, kbuf, vbuf):
+def _update_max(m, l, alpha, R):
+    """alpha holds each row's new running max: move it into m, leave in alpha the factor that
+    rescales the row's old sum and output, scale l. Returns whether any factor differs from 1
+    (once the max has settled, none does and the output needs no rescaling)."""
+    n_changed = 0
+    for i in range(R):
+        m_new = alpha[i]
+        m_ref = m_new if m_new > -np.inf else np.float32(0.0)  # row with nothing visible yet
+        a = vexp(m[i] - m_ref) if m[i] > -np.inf else np.float32(0.0)
+        n_changed += a != np.float32(1.0)
+        alpha[i] = a
+        m[i] = m_new
+        l[i] *= a
+    return n_changed > 0
+
+
+@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
+def _rescale(acct, alpha):
+    for e in range(acct.shape[0]):
+        arow = acct[e]
+        for i in range(acct.shape[1]):
+            arow[i] *= alpha[i]
+
+
+@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
+def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, pos_min, lo_max, n_keys_lo,
+                 n_keys_hi, m, l, acct, st, alpha, kbuf, vbuf):
     """Prefill: online-softmax update of R query rows over keys [n_keys_lo, n_keys_hi).
 
     The R rows (positions x the GQA group, padded to a multiple of 16) are the vector lanes:
@@ -66,7 +91,8 @@ def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_
     elementwise over R. kf/vf: the layer's float16 K/V cache (uint16 bits) flattened from
     (n_blocks, bs, Hkv, hd), so key (blk, off) of head kvh starts at ((blk*bs + off)*Hkv + kvh)*hd
     and kstride = Hkv*hd; each block's rows are widened once into kbuf/vbuf (bs*hd float32).
-    pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p (padding rows: none).
+    pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p (padding rows: none);
+    pos_min / lo_max: the least p and the largest lo_pos of the real rows.
     """
     hd, R = qt.shape
     j0 = n_keys_lo
@@ -85,33 +111,44 @@ def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, n_keys_
                     kbuf[jj * hd + e] = f16_value(kf[base + jj * kstride + e])
                     vbuf[jj * hd + e] = f16_value(vf[base + jj * kstride + e])
         tile_scores(qt, kbuf, 0, hd, st, n)
-        # new running max (alpha holds it for now); masked scores become -inf
+        # new running max (alpha holds it for now)
         for i in range(R):
             alpha[i] = m[i]
-        for jj in range(n):
-            j = j0 + jj
-            srow = st[jj]
-            for i in range(R):
-                sv = srow[i] if (j <= pos[i] and j >= lo_pos[i]) else np.float32(-np.inf)
-                srow[i] = sv
-                alpha[i] = max(alpha[i], sv)
-        for i in range(R):
-            m_new = alpha[i]
-            m_ref = m_new if m_new > -np.inf else np.float32(0.0)  # row with nothing visible yet
-            alpha[i] = vexp(m[i] - m_ref) if m[i] > -np.inf else np.float32(0.0)
-            m[i] = m_new
-            l[i] *= alpha[i]
-        for e in range(hd):
-            arow = acct[e]
-            for i in range(R):
-                arow[i] *= alpha[i]
-        for jj in range(n):
-            srow = st[jj]
-            for i in range(R):
-                m_ref = m[i] if m[i] > -np.inf else np.float32(0.0)
-                pv = vexp(srow[i] - m_ref) if srow[i] > -np.inf else np.float32(0.0)
-                srow[i] = pv
-                l[i] += pv
+        if j0 >= lo_max and j1 - 1 <= pos_min:
+            # every row sees every key of the block (most of a long history): no mask, and each
+            # visible score takes exactly the arithmetic of the masked path below
+            for jj in range(n):
+                srow = st[jj]
+                for i in range(R):
+                    alpha[i] = max(alpha[i], srow[i])
+            rescale = _update_max(m, l, alpha, R)
+            if rescale:
+                _rescale(acct, alpha)
+            for jj in range(n):
+                srow = st[jj]
+                for i in range(R):
+                    pv = vexp(srow[i] - m[i])
+                    srow[i] = pv
+                    l[i] += pv
+        else:
+            # masked scores become -inf
+            for jj in range(n):
+                j = j0 + jj
+                srow = st[jj]
+                for i in range(R):
+                    sv = srow[i] if (j <= pos[i] and j >= lo_pos[i]) else np.float32(-np.inf)
+                    srow[i] = sv
+                    alpha[i] = max(alpha[i], sv)
+            rescale = _update_max(m, l, alpha, R)
+            if rescale:
+                _rescale(acct, alpha)
+            for jj in range(n):
+                srow = st[jj]
+                for i in range(R):
+                    m_ref = m[i] if m[i] > -np.inf else np.float32(0.0)
+                    pv = vexp(srow[i] - m_ref) if srow[i] > -np.inf else np.float32(0.0)
+                    srow[i] = pv
+                    l[i] += pv
         tile_pv(st, vbuf, 0, hd, n, acct)
         j0 = j1
 
@@ -149,8 +186,8 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, o
         # keys from the block holding the tile's first visible key: every row then sees its keys
         # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
         # result does not depend on how the queries are chunked
-        _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, lo_pos[0] - lo_pos[0] % bs,
-                     q_start + t1, m, l, acct, st, alpha, kbuf, vbuf)
+        _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, pos[0], lo_pos[R - 1],
+                     lo_pos[0] - lo_pos[0] % bs, q_start + t1, m, l, acct, st, alpha, kbuf, vbuf)
         for t in range(t0, t1):
             for g in range(G):
                 i = (t - t0) * G + g
