@@ -153,47 +153,63 @@ def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, pos_min
         j0 = j1
 
 
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, out):
+@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
+def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, t1, out):
+    """Query positions t0..t1-1 of kv head kvh's group: gather the rows, attend, normalise."""
     T, Hq, hd = q.shape
+    G = Hq // Hkv
+    R = (t1 - t0) * G
+    Rp = (R + 15) // 16 * 16                # lanes: rows padded to whole vectors
+    qt = np.zeros((hd, Rp), np.float32)     # column i = (t - t0) * G + g
+    pos = np.full(Rp, -1, np.int64)         # padding rows see no key
+    lo_pos = np.zeros(Rp, np.int64)
+    for t in range(t0, t1):
+        for g in range(G):
+            i = (t - t0) * G + g
+            for e in range(hd):
+                qt[e, i] = q[t, kvh * G + g, e] * scale
+            pos[i] = q_start + t
+            lo_pos[i] = max(0, q_start + t - window + 1) if window > 0 else 0
+    m = np.full(Rp, -np.inf, np.float32)
+    l = np.zeros(Rp, np.float32)
+    acct = np.zeros((hd, Rp), np.float32)
+    st = np.empty((bs, Rp), np.float32)
+    alpha = np.empty(Rp, np.float32)
+    kbuf = np.empty(bs * hd, np.float32)
+    vbuf = np.empty(bs * hd, np.float32)
+    # keys from the block holding the tile's first visible key: every row then sees its keys
+    # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
+    # result does not depend on how the queries are chunked
+    _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, pos[0], lo_pos[R - 1],
+                 lo_pos[0] - lo_pos[0] % bs, q_start + t1, m, l, acct, st, alpha, kbuf, vbuf)
+    for t in range(t0, t1):
+        for g in range(G):
+            i = (t - t0) * G + g
+            inv = np.float32(1.0) / l[i]
+            for e in range(hd):
+                out[t, kvh * G + g, e] = acct[e, i] * inv
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, paired, out):
+    """paired: each work item takes query tiles p and n_tiles-1-p of one kv head. Under the causal
+    mask a tile's cost grows with its position, so the threads' contiguous shares of the work
+    items then cost the same (one kv head's tiles in order left the last thread 1.4x the work)."""
+    T = q.shape[0]
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
-    G = Hq // Hkv
     n_tiles = (T + q_tile - 1) // q_tile
-    for w in prange(Hkv * n_tiles):
-        kvh = w // n_tiles
-        t0 = (w % n_tiles) * q_tile
-        t1 = min(T, t0 + q_tile)
-        R = (t1 - t0) * G
-        Rp = (R + 15) // 16 * 16                # lanes: rows padded to whole vectors
-        qt = np.zeros((hd, Rp), np.float32)     # column i = (t - t0) * G + g
-        pos = np.full(Rp, -1, np.int64)         # padding rows see no key
-        lo_pos = np.zeros(Rp, np.int64)
-        for t in range(t0, t1):
-            for g in range(G):
-                i = (t - t0) * G + g
-                for e in range(hd):
-                    qt[e, i] = q[t, kvh * G + g, e] * scale
-                pos[i] = q_start + t
-                lo_pos[i] = max(0, q_start + t - window + 1) if window > 0 else 0
-        m = np.full(Rp, -np.inf, np.float32)
-        l = np.zeros(Rp, np.float32)
-        acct = np.zeros((hd, Rp), np.float32)
-        st = np.empty((bs, Rp), np.float32)
-        alpha = np.empty(Rp, np.float32)
-        kbuf = np.empty(bs * hd, np.float32)
-        vbuf = np.empty(bs * hd, np.float32)
-        # keys from the block holding the tile's first visible key: every row then sees its keys
-        # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
-        # result does not depend on how the queries are chunked
-        _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, pos[0], lo_pos[R - 1],
-                     lo_pos[0] - lo_pos[0] % bs, q_start + t1, m, l, acct, st, alpha, kbuf, vbuf)
-        for t in range(t0, t1):
-            for g in range(G):
-                i = (t - t0) * G + g
-                inv = np.float32(1.0) / l[i]
-                for e in range(hd):
-                    out[t, kvh * G + g, e] = acct[e, i] * inv
+    n_items = (n_tiles + 1) // 2 if paired else n_tiles
+    for w in prange(Hkv * n_items):
+        kvh = w // n_items
+        tile = w % n_items
+        t0 = tile * q_tile
+        _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, min(T, t0 + q_tile), out)
+        mirror = n_tiles - 1 - tile
+        if paired and mirror != tile:
+            t0 = mirror * q_tile
+            _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, min(T, t0 + q_tile),
+                          out)
 
 
 _prefill_serial = serial_twin(_prefill)
@@ -236,8 +252,10 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
     if q.shape[0]:
         work = q.shape[0] * (q_start + q.shape[0]) * q.shape[1] * q.shape[2] // 16  # ~ MACs / 16
         kernel = pick(_prefill, _prefill_serial, work)
+        n_tiles = -(-q.shape[0] // q_tile)
+        paired = k_cache.shape[2] * ((n_tiles + 1) // 2) >= numba.get_num_threads()
         kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
-               int(q_start), np.float32(scale), int(window), int(q_tile), out)
+               int(q_start), np.float32(scale), int(window), int(q_tile), paired, out)
     return out
 
 

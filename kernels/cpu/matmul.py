@@ -26,7 +26,7 @@ from kernels.cpu.quant import (
     BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, MR_Q4_K, MR_Q5_0, MR_Q6_K, MR_Q8_0,
     q4_k_tile16, q4_k_tile16_mr, q5_0_tile16, q5_0_tile16_mr, q6_k_tile16, q6_k_tile16_mr, q8_0_tile16, q8_0_tile16_mr,
-    repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, repack_q8_0_tiles, round_f16,
+    q5_0_tile_as_q8_0, TILE_B_Q8_0, repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, repack_q8_0_tiles, round_f16,
 )
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -410,19 +410,35 @@ def _gemv_q4_k_q8(d, dmin, sc, mn, qs, xq, dx, bsum32, out):
 # K-quants. The quantizers are compiled without fastmath so the rounding is bit-for-bit llama.cpp's
 # (tests compare them with activations.round_like_llama_cpp).
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _rint_small(v):
+    """Round half to even for |v| < 2**22, as llama.cpp's _mm256_round_ps / nearest_int do: adding
+    and taking away 1.5 * 2**23 leaves the float32 sum rounded to an integer (np.rint compiles to
+    a libm call per element; this vectorizes; the callers are not fastmath, so it stays)."""
+    return (v + np.float32(12582912.0)) - np.float32(12582912.0)
+
+
+@njit(fastmath=True, cache=True, error_model="numpy")
+def _absmax(x, m, lo, n):
+    """max |x[m, lo:lo+n]|: the same in any order (activations hold no NaN), so unlike the
+    rounding around it, it may be vectorized with fastmath."""
+    a = np.float32(0.0)
+    for i in range(lo, lo + n):
+        a = max(a, abs(x[m, i]))
+    return a
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_rows_q8_0(x, xq, dx, sxq, off):
     """x (M, K) -> int8 xq (M, K), scales dx (M, K/32) (f16-rounded, as llama.cpp's quantize_row_q8_0)
     and sxq = off * per-block sums of xq (the weight type's offset folded into the integer dot)."""
     for m in prange(x.shape[0]):
         for b in range(dx.shape[1]):
-            amax = np.float32(0.0)
-            for i in range(32):
-                amax = max(amax, abs(x[m, b * 32 + i]))
+            amax = _absmax(x, m, b * 32, 32)
             idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
             s = 0
             for i in range(32):
-                q = np.int32(np.rint(x[m, b * 32 + i] * idv))
+                q = np.int32(_rint_small(x[m, b * 32 + i] * idv))
                 xq[m, b * 32 + i] = q
                 s += q
             dx[m, b] = round_f16(amax / np.float32(127.0))
@@ -473,6 +489,15 @@ def _on_grid(x, xq, dx, blk, tol):
     return True
 
 
+# From this many rows on, a Q5_0 tile of at most Q5_0_DECODE_ONCE_BYTES unpacked (15 KB for K = 896:
+# it stays in L1) is unpacked once into the Q8_0 layout and every row group runs the Q8_0 kernel on
+# it instead of unpacking the tile again: qwen's gate/up at pp512 ~400 -> ~560 GOP/s. Fewer rows
+# (decode, verify) read the packed tile. (The same for Q6_K lost: its unpacked tiles, 83 KB at
+# K = 4864, stream from L2; 508 -> 450 GOP/s.)
+Q5_0_DECODE_ONCE_ROWS = 16
+Q5_0_DECODE_ONCE_BYTES = 24 << 10
+
+
 # rows kernels: out (M, 16 * n_tiles) = int8 rows (xq32, dx, sums) x tiles; rows go MR_* at a
 # time (quant.MR_*) through one decode of each weight block, the remainder one by one. Four explicit
 # copies: numba's on-disk cache does not take a closure over the intrinsic.
@@ -481,11 +506,20 @@ def _rows_q5_0(tiles, xq32, dx, sums, out):
     M = xq32.shape[0]
     for t in prange(tiles.shape[0]):
         m = 0
+        if M >= Q5_0_DECODE_ONCE_ROWS and dx.shape[1] * TILE_B_Q8_0 <= Q5_0_DECODE_ONCE_BYTES:  # same numbers
+            u8 = np.empty((1, dx.shape[1] * TILE_B_Q8_0), np.uint8)
+            q5_0_tile_as_q8_0(tiles, t, u8)
+            while m + MR_Q8_0 <= M:
+                q8_0_tile16_mr(u8, 0, m, xq32, dx, sums, out, t)
+                m += MR_Q8_0
+            while m < M:
+                q8_0_tile16(u8, 0, m, xq32, dx, sums, out, t)
+                m += 1
         while m + MR_Q5_0 <= M:
-            q5_0_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            q5_0_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
             m += MR_Q5_0
         while m < M:
-            q5_0_tile16(tiles, t, m, xq32, dx, sums, out)
+            q5_0_tile16(tiles, t, m, xq32, dx, sums, out, t)
             m += 1
 
 
@@ -495,10 +529,10 @@ def _rows_q8_0(tiles, xq32, dx, sums, out):
     for t in prange(tiles.shape[0]):
         m = 0
         while m + MR_Q8_0 <= M:
-            q8_0_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            q8_0_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
             m += MR_Q8_0
         while m < M:
-            q8_0_tile16(tiles, t, m, xq32, dx, sums, out)
+            q8_0_tile16(tiles, t, m, xq32, dx, sums, out, t)
             m += 1
 
 
@@ -508,10 +542,10 @@ def _rows_q4_k(tiles, xq32, dx, sums, out):
     for t in prange(tiles.shape[0]):
         m = 0
         while m + MR_Q4_K <= M:
-            q4_k_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            q4_k_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
             m += MR_Q4_K
         while m < M:
-            q4_k_tile16(tiles, t, m, xq32, dx, sums, out)
+            q4_k_tile16(tiles, t, m, xq32, dx, sums, out, t)
             m += 1
 
 
@@ -521,10 +555,10 @@ def _rows_q6_k(tiles, xq32, dx, sums, out):
     for t in prange(tiles.shape[0]):
         m = 0
         while m + MR_Q6_K <= M:
-            q6_k_tile16_mr(tiles, t, m, xq32, dx, sums, out)
+            q6_k_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
             m += MR_Q6_K
         while m < M:
-            q6_k_tile16(tiles, t, m, xq32, dx, sums, out)
+            q6_k_tile16(tiles, t, m, xq32, dx, sums, out, t)
             m += 1
 
 

@@ -177,16 +177,16 @@ def _at2(builder, arr, row, col):
 
 
 def _tile_kernel(name: str, n_rows: int, body):
-    """An intrinsic kern(tiles, t, m0, xq32, dx, sums, out) that writes out[m0+m, 16t:16t+16] for
-    m < n_rows: tile t of a 16-row tile matrix dotted with int8 activation rows m0.. (xq32: int8 x
+    """An intrinsic kern(tiles, t, m0, xq32, dx, sums, out, t_out) that writes out[m0+m, 16t_out:16t_out+16]
+    for m < n_rows: tile t of a 16-row tile matrix dotted with int8 activation rows m0.. (xq32: int8 x
     viewed as int32, (M, K/4); dx: per-block scales (M, nb); sums: the per-type block sums).
     `body(builder, p, b, rows, xa, da, sa, accs)` emits one block: p points at the block's bytes,
     it adds each row's float partial into accs[m]. The weights of a block are decoded once and
     used for all n_rows rows, so several tokens read W once (verify, batch, short prefill); every
     row gets exactly the float operations the one-row kernel gives it."""
 
-    def kern(typingctx, tiles, t, m0, xq32, dx, sums, out):
-        sig = types.void(tiles, t, m0, xq32, dx, sums, out)
+    def kern(typingctx, tiles, t, m0, xq32, dx, sums, out, t_out):
+        sig = types.void(tiles, t, m0, xq32, dx, sums, out, t_out)
 
         def codegen(context, builder, signature, args):
             arr = [context.make_array(signature.args[i])(context, builder, args[i]) if i not in (1, 2) else None
@@ -201,7 +201,7 @@ def _tile_kernel(name: str, n_rows: int, body):
             with cgutils.for_range(builder, nb) as loop:
                 p = builder.gep(base, [builder.mul(loop.index, bytes_per_block)])
                 body(builder, p, loop.index, rows, xa, da, sa, accs)
-            col = builder.mul(t64, _c64(16))
+            col = builder.mul(_i64(builder, args[7]), _c64(16))
             for m in range(n_rows):
                 builder.store(builder.load(accs[m]), builder.bitcast(_at2(builder, oa, rows[m], col), V16F.as_pointer()),
                               align=1)
@@ -336,6 +336,39 @@ q5_0_tile16, q5_0_tile16_mr = _tile_kernel("q5_0", 1, _q5_0_block), _tile_kernel
 q8_0_tile16, q8_0_tile16_mr = _tile_kernel("q8_0", 1, _q8_0_block), _tile_kernel("q8_0", MR_Q8_0, _q8_0_block)
 q4_k_tile16, q4_k_tile16_mr = _tile_kernel("q4_k", 1, _q4_k_block), _tile_kernel("q4_k", MR_Q4_K, _q4_k_block)
 q6_k_tile16, q6_k_tile16_mr = _tile_kernel("q6_k", 1, _q6_k_block), _tile_kernel("q6_k", MR_Q6_K, _q6_k_block)
+
+
+@intrinsic
+def q5_0_tile_as_q8_0(typingctx, tiles, t, dst):
+    """dst[0] = tile t of a Q5_0 tile matrix in the Q8_0 tile layout: per block the 5-bit values
+    (q + 16, unsigned) as 8 vectors [g][row][4 bytes], then the 16 f16 scales. The Q8_0 block
+    kernel on dst, given Q5_0's block sums (-16 x sum x), makes exactly the Q5_0 kernel's integer
+    and float operations; a long prompt decodes each tile once instead of once per MR rows."""
+    sig = types.void(tiles, t, dst)
+
+    def codegen(context, builder, signature, args):
+        ta = context.make_array(signature.args[0])(context, builder, args[0])
+        da = context.make_array(signature.args[2])(context, builder, args[2])
+        t64 = _i64(builder, args[1])
+        nb = builder.udiv(builder.extract_value(ta.shape, 1), _c64(TILE_BYTES["q5_0"]))
+        src0 = builder.gep(ta.data, [builder.mul(t64, builder.mul(nb, _c64(TILE_BYTES["q5_0"])))])
+        m0f, m10 = _vconst(V16I, 0x0F0F0F0F), _vconst(V16I, 0x10101010)
+        with cgutils.for_range(builder, nb) as loop:
+            p = builder.gep(src0, [builder.mul(loop.index, _c64(TILE_BYTES["q5_0"]))])
+            q = builder.gep(da.data, [builder.mul(loop.index, _c64(TILE_BYTES["q8_0"]))])
+            hb = _vload(builder, builder.gep(p, [_c64(256)]), V16I)
+            for g in range(4):
+                v = _vload(builder, builder.gep(p, [_c64(64 * g)]), V16I)
+                lo = builder.or_(builder.and_(v, m0f), builder.and_(_shift(builder, hb, 4 - 2 * g), m10))
+                hi = builder.or_(builder.and_(builder.lshr(v, _vconst(V16I, 4)), m0f),
+                                 builder.and_(_shift(builder, hb, 3 - 2 * g), m10))
+                builder.store(lo, builder.bitcast(builder.gep(q, [_c64(64 * g)]), V16I.as_pointer()), align=1)
+                builder.store(hi, builder.bitcast(builder.gep(q, [_c64(256 + 64 * g)]), V16I.as_pointer()), align=1)
+            scales = builder.load(builder.bitcast(builder.gep(p, [_c64(320)]), V16H.as_pointer()), align=1)
+            builder.store(scales, builder.bitcast(builder.gep(q, [_c64(512)]), V16H.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def repack_q8_0_tiles(raw: np.ndarray, n_cols: int) -> np.ndarray:

@@ -45,6 +45,8 @@ PREFILL_CASES = [
     (50, 33, 14, 2, 64, 16, 8),
     (17, 16, 2, 2, 128, 16, 8),
     (20, 5, 4, 2, 40, 16, 0),      # head_dim not a multiple of 16
+    (150, 0, 4, 1, 256, 16, 0),    # gemma's shape: 3 query tiles, paired first-with-last
+    (300, 7, 4, 1, 64, 16, 32),    # 5 tiles paired, with a window
 ]
 
 

@@ -209,17 +209,19 @@ def test_int8_quantizers_are_llama_cpp_rounding(kind, blk):
 
 
 @pytest.mark.parametrize("ggml_type", TILE16_CANDIDATES, ids=_name)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 21])
 @pytest.mark.parametrize("n_rows", [16, 23])
 @pytest.mark.parametrize("parallel", [True, False], ids=["par", "serial"])
 def test_matmul_int8_rows(ggml_type, m, n_rows, parallel, monkeypatch):
     """Several activation rows through one pass over W (multi-row tile kernels, full groups plus
-    a remainder): each row equals its own one-row result bit for bit (a batch or a speculative
-    check gives decode's numbers) and the float64 product on llama.cpp-rounded x."""
+    a remainder; 21 rows take Q5_0's decode-once path): each row equals its own one-row result
+    bit for bit (a batch or a speculative check gives decode's numbers) and the float64 product on
+    llama.cpp-rounded x."""
     from kernels.cpu import matmul
     from kernels.cpu.activations import round_like_llama_cpp
     from kernels.cpu.matmul import VEC_DOT_KIND, Int8Rows
 
+    assert m < 16 or m >= matmul.Q5_0_DECODE_ONCE_ROWS
     n_cols = 2 * GGML_BLOCK[ggml_type][0] * (4 if GGML_BLOCK[ggml_type][0] == 32 else 1)
     qm, w, rng = _setup(ggml_type, n_rows, n_cols, m * 100 + n_rows + ggml_type)
     assert (qm.tiles is not None) == (ggml_type in TILE16_TYPES)
