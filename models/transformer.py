@@ -18,7 +18,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from kernels.cpu.matmul import TILE16_TYPES, VEC_DOT_KIND, Int8Rows
-from kernels.cpu import QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, swiglu, write_kv
+from kernels.cpu import (QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, rope_table, swiglu,
+                         write_kv)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
@@ -216,7 +217,8 @@ class Block:
         self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
         self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
 
-    def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], groups) -> np.ndarray:
+    def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], groups,
+                  rope_tables: dict) -> np.ndarray:
         cfg = self.cfg
         T, hd = x.shape[0], cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)                      # (T, D)
@@ -233,8 +235,11 @@ class Block:
         if self.q_norm is not None:  # per-head RMSNorm over hd
             q = rms_norm(q.reshape(-1, hd), self.q_norm, cfg.norm_eps).reshape(T, cfg.n_head, hd)
             k = rms_norm(k.reshape(-1, hd), self.k_norm, cfg.norm_eps).reshape(T, cfg.n_head_kv, hd)
-        q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hq, hd)
-        k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot)   # (T, Hkv, hd)
+        table = rope_tables.get(self.rope_base)                            # (T, n_rot/2, 2) cos, sin
+        if table is None:
+            table = rope_tables[self.rope_base] = rope_table(positions, self.rope_base, cfg.n_rot)
+        q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hq, hd)
+        k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hkv, hd)
         if self.llama_rounding:  # llama.cpp multiplies K by an f16 copy of Q (K and V: the f16 cache)
             q = round_to_f16(q)
         o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
@@ -266,8 +271,9 @@ class Block:
             o = rms_norm(o, self.post_ffn_norm, self.cfg.norm_eps)
         return o
 
-    def __call__(self, x, positions, segments, groups):
-        x = x + self.attention(x, positions, segments, groups)
+    def __call__(self, x, positions, segments, groups, rope_tables: dict):
+        """rope_tables: the forward pass's rope_table per rope base, filled by the first layer using it."""
+        x = x + self.attention(x, positions, segments, groups, rope_tables)
         return x + self.ffn(x, groups)
 
 
@@ -333,8 +339,9 @@ class Decoder:
         x = self.tok_embd.rows(tokens)                                    # (T, D)
         if self.cfg.embed_scale != 1.0:
             x *= np.float32(self.cfg.embed_scale)
+        rope_tables: dict = {}
         for block in self.blocks:
-            x = block(x, positions, segments, groups)
+            x = block(x, positions, segments, groups, rope_tables)
         return x
 
     def _logits(self, x: np.ndarray, vocab_limit: int | None = None) -> np.ndarray:

@@ -1,11 +1,11 @@
 """CPU kernels (numba): GGML dequantization, quantized GEMV/GEMM, norms/rope/activations, paged flash attention."""
 from kernels.cpu.attention import attention_decode, attention_prefill, write_kv
 from kernels.cpu.matmul import QMatrix
-from kernels.cpu.ops import geglu_tanh, rms_norm, rope, softmax, swiglu
+from kernels.cpu.ops import geglu_tanh, rms_norm, rope, rope_table, softmax, swiglu
 from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES, dequantize
 
 __all__ = [
     "GGML_BLOCK", "SUPPORTED_TYPES", "dequantize", "QMatrix",
-    "rms_norm", "rope", "swiglu", "geglu_tanh", "softmax",
+    "rms_norm", "rope", "rope_table", "swiglu", "geglu_tanh", "softmax",
     "write_kv", "attention_prefill", "attention_decode",
 ]

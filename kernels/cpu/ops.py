@@ -134,20 +134,42 @@ def vexp(x):
     return p * _pow2i(n)
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _rms_scale_row(x, w, eps, ss, t, out):
+    D = x.shape[1]
+    mean = np.float32(ss / D)
+    scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
+    for i in range(D):
+        out[t, i] = x[t, i] * scale * w[i]
+
+
 @njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: the sum keeps ggml's order
 def _rms_norm(x, w, eps, out):
     """ggml_compute_forward_rms_norm_f32 to the bit: float32 squares summed in float64 in order,
-    mean and 1/sqrt(mean + eps) in float32, then x * scale * w."""
+    mean and 1/sqrt(mean + eps) in float32, then x * scale * w. The in-order sum is a chain of
+    dependent adds, so four rows go side by side (four chains in flight, each row's own order)."""
     T, D = x.shape
-    for t in prange(T):
-        ss = 0.0
-        for i in range(D):
-            xi = x[t, i]
-            ss += np.float64(xi * xi)
-        mean = np.float32(ss / D)
-        scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
-        for i in range(D):
-            out[t, i] = x[t, i] * scale * w[i]
+    for g in prange((T + 3) // 4):
+        t0 = 4 * g
+        if t0 + 4 <= T:
+            s0 = s1 = s2 = s3 = 0.0
+            for i in range(D):
+                a, b, c, d = x[t0, i], x[t0 + 1, i], x[t0 + 2, i], x[t0 + 3, i]
+                s0 += np.float64(a * a)
+                s1 += np.float64(b * b)
+                s2 += np.float64(c * c)
+                s3 += np.float64(d * d)
+            _rms_scale_row(x, w, eps, s0, t0, out)
+            _rms_scale_row(x, w, eps, s1, t0 + 1, out)
+            _rms_scale_row(x, w, eps, s2, t0 + 2, out)
+            _rms_scale_row(x, w, eps, s3, t0 + 3, out)
+        else:
+            for t in range(t0, T):
+                ss = 0.0
+                for i in range(D):
+                    xi = x[t, i]
+                    ss += np.float64(xi * xi)
+                _rms_scale_row(x, w, eps, ss, t, out)
 
 
 _rms_norm_serial = serial_twin(_rms_norm)
@@ -161,17 +183,27 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-@njit(parallel=True, fastmath={"contract"}, cache=True, error_model="numpy")
-def _rope(x, positions, theta_scale, neox, n_rot, out):
-    """ggml's angles: theta = pos, then theta *= theta_scale per pair, in float32; cosf/sinf."""
-    T, H, hd = x.shape
-    half = n_rot // 2
-    for t in prange(T):
+@njit(parallel=True, cache=True, error_model="numpy")
+def _rope_table(positions, theta_scale, cs):
+    """ggml's angles: theta = pos, then theta *= theta_scale per pair, in float32; cosf/sinf.
+    cs (T, n_rot/2, 2): cos and sin of pair i at token t."""
+    for t in prange(positions.shape[0]):
         theta = np.float32(positions[t])
-        for i in range(half):
-            c = math.cos(theta)
-            s = math.sin(theta)
+        for i in range(cs.shape[1]):
+            cs[t, i, 0] = math.cos(theta)
+            cs[t, i, 1] = math.sin(theta)
             theta = theta * theta_scale
+
+
+@njit(parallel=True, fastmath={"contract"}, cache=True, error_model="numpy")
+def _rope(x, cs, neox, out):
+    T, H, hd = x.shape
+    half = cs.shape[1]
+    n_rot = 2 * half
+    for t in prange(T):
+        for i in range(half):
+            c = cs[t, i, 0]
+            s = cs[t, i, 1]
             a = i if neox else 2 * i
             b = i + half if neox else 2 * i + 1
             for h in range(H):
@@ -185,24 +217,41 @@ def _rope(x, positions, theta_scale, neox, n_rot, out):
 
 
 _rope_serial = serial_twin(_rope)
+_rope_table_serial = serial_twin(_rope_table)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None) -> np.ndarray:
+def rope_table(positions: np.ndarray, theta: float, n_rot: int) -> np.ndarray:
+    """cos/sin (T, n_rot/2, 2) of ggml_rope's angles for these positions: computed once per forward
+    pass and base, and shared by every layer's q and k (the trig was most of rope's time)."""
+    if n_rot % 2:
+        raise ValueError(f"n_rot={n_rot} must be even")
+    # powf(freq_base, -2.0f/n_dims), as ggml_rope_cache_init
+    theta_scale = np.power(np.float32(theta), np.float32(-2.0) / np.float32(n_rot), dtype=np.float32)
+    positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
+    cs = np.empty((positions.shape[0], n_rot // 2, 2), np.float32)
+    pick(_rope_table, _rope_table_serial, cs.size)(positions, np.float32(theta_scale), cs)
+    return cs
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None,
+         table: np.ndarray | None = None) -> np.ndarray:
     """Rotary embedding as ggml_rope (freq_scale 1, no YaRN). x (T, H, hd) -> (T, H, hd).
 
     neox=False rotates adjacent pairs (2i, 2i+1) (llama); neox=True rotates (i, i + n_rot/2)
     (qwen2, gemma3). Pair i turns by pos * theta^(-2i/n_rot); dims >= n_rot pass through.
+    table: rope_table(positions, theta, n_rot), when the caller has it already.
     """
     x = np.ascontiguousarray(x, np.float32)
     hd = x.shape[2]
     n_rot = hd if n_rot is None else int(n_rot)
     if n_rot % 2 or n_rot > hd:
         raise ValueError(f"n_rot={n_rot} must be even and <= head_dim={hd}")
-    # powf(freq_base, -2.0f/n_dims), as ggml_rope_cache_init
-    theta_scale = np.power(np.float32(theta), np.float32(-2.0) / np.float32(n_rot), dtype=np.float32)
+    if table is None:
+        table = rope_table(positions, theta, n_rot)
+    if table.shape != (x.shape[0], n_rot // 2, 2):
+        raise ValueError(f"rope table {table.shape} does not fit x {x.shape} with n_rot={n_rot}")
     out = np.empty_like(x)
-    kernel = pick(_rope, _rope_serial, x.size)
-    kernel(x, np.ascontiguousarray(positions, np.int64), np.float32(theta_scale), bool(neox), n_rot, out)
+    pick(_rope, _rope_serial, x.size)(x, table, bool(neox), out)
     return out
 
 

@@ -38,6 +38,27 @@ def test_rope(neox, hd, n_rot, theta):
         np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
 
 
+def test_rope_table_is_shared_by_q_and_k():
+    """The model computes the angles once per pass (rope_table) and hands them to every layer's q
+    and k: the table's cos/sin are the angles rope_ref describes, and a table that does not fit
+    the positions or n_rot is refused."""
+    from kernels.cpu import rope_table
+    rng = np.random.default_rng(5)
+    pos = np.array([3, 4, 5, 900])
+    table = rope_table(pos, 1e6, 64)
+    assert table.shape == (4, 32, 2)
+    q = rng.standard_normal((4, 14, 64)).astype(np.float32)
+    k = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    for x in (q, k):
+        np.testing.assert_array_equal(rope(x, pos, 1e6, True, 64, table), rope(x, pos, 1e6, True, 64))
+        np.testing.assert_allclose(rope(x, pos, 1e6, True, 64, table), rope_ref(x, pos, 1e6, True, 64),
+                                   rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError):
+        rope(q, pos, 1e6, True, 32, table)
+    with pytest.raises(ValueError):
+        rope(q[:3], pos[:3], 1e6, True, 64, table)
+
+
 def test_rope_position_zero_is_identity():
     x = np.random.default_rng(0).standard_normal((1, 2, 64)).astype(np.float32)
     np.testing.assert_array_equal(rope(x, np.array([0]), 10000.0, True), x)
