@@ -5,8 +5,8 @@ Input, one JSON object a line: {"id": ..., "prompt": "..."} or {"id": ..., "mess
 with optional sampling fields (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens,
 stop) over the command line's defaults. Output, one line per id, written and flushed as soon as it
 finishes: {"id", "text", "tokens", "finish_reason", "timings"}, or {"id", "error"} for a line that
-cannot run (the id, or the line number when there is none). Ids already in the output file are
-skipped, so an interrupted run resumes where it stopped.
+cannot run (the id, or the line number when there is none). Ids already answered in the output file
+are skipped, so an interrupted run resumes where it stopped; ids that failed run again.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -30,7 +31,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     from models.registry import DEFAULT_MODEL
     p = subparsers.add_parser("batch", help="many prompts from a JSONL file, continuously batched (native engine)")
     p.add_argument("input", help="JSONL file of {id, prompt | messages, sampling fields...}; '-' reads stdin")
-    p.add_argument("-o", "--output", required=True, help="JSONL answers (appended; ids already there are skipped)")
+    p.add_argument("-o", "--output", required=True, help="JSONL answers (appended; ids already answered are skipped, failed ones rerun)")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
     p.add_argument("--backend", default="native", help="inference engine (only native batches)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context per sequence in tokens (default: {DEFAULT_CTX})")
@@ -71,20 +72,34 @@ def line_params(obj: dict, base):
     return dataclasses.replace(base, **changes).validate()
 
 
-def done_ids(path: Path) -> set[str]:
-    """Ids (as JSON text, so 1 and "1" differ) of the records already in the output file."""
-    seen: set[str] = set()
+def resume_output(path: Path) -> set[str]:
+    """Ids (as JSON text, so 1 and "1" differ) of the answers already in the output file, which a
+    resumed run skips. Error records and a last line cut short by an interruption are taken out of
+    the file (rewritten whole, then renamed over it, so a crash keeps the old file) and their ids run
+    again: a line the user has fixed since gets its answer, and every later record starts on a line
+    of its own."""
+    done: set[str] = set()
     if not path.exists():
-        return seen
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue    # a line cut short by an interruption: that id runs again
-            if isinstance(rec, dict) and "id" in rec:
-                seen.add(json.dumps(rec["id"]))
-    return seen
+        return done
+    raw = path.read_bytes()
+    keep: list[str] = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "id" in rec and "error" not in rec:
+            done.add(json.dumps(rec["id"]))
+            keep.append(line)
+    text = "".join(line + "\n" for line in keep)
+    if text.encode("utf-8") != raw:
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return done
 
 
 def parse_lines(lines, engine, base, chat: bool) -> Iterator[tuple[object, list[int] | None, object, str | None]]:
@@ -144,7 +159,7 @@ def cmd_batch(args) -> int:
         except UnicodeDecodeError as e:
             raise BadInputError(f"{args.input} is not valid UTF-8 (byte {e.start})") from None
     out_path = Path(args.output)
-    skip = done_ids(out_path)
+    skip = resume_output(out_path)
     with stderr_progress() as progress:
         engine = Engine(args.model, backend="native", n_ctx=args.ctx, threads=args.threads, progress=progress)
     chat = not args.no_chat and engine.has_chat_template

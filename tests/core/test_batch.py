@@ -102,12 +102,20 @@ def test_cmd_batch_errors_and_resume(engine, tmp_path):
     ids = engine.prompt_ids("What is 2+2?")
     assert by_id["a"]["tokens"] == [e.id for e in engine.generate(ids, greedy(6)) if e.id >= 0]
     assert set(by_id["a"]["timings"]) >= {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "ttft_ms", "cache_n"}
-    # resume: only the new id runs; nothing already written is repeated
-    with open(tmp_path / "in.jsonl", "a") as f:
-        f.write(json.dumps({"id": "d", "prompt": "Say hi."}) + "\n")
+    # resume after the user fixed line "c", added "d", and a run died mid-record: the answers already
+    # written stay as they were and do not run again; the failed ids and the cut record run again
+    lines[4] = json.dumps({"id": "c", "prompt": "Name three colors."})
+    lines.append(json.dumps({"id": "d", "prompt": "Say hi."}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    answered = [r for r in recs if "error" not in r]
+    with open(tmp_path / "out.jsonl", "a") as f:
+        f.write('{"id": "d", "te')
     assert cmd_batch(_args(tmp_path)) == 0
     recs2 = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert recs2[:len(recs)] == recs and [r["id"] for r in recs2[len(recs):]] == ["d"]
+    assert recs2[:len(answered)] == answered
+    rerun = {r["id"]: r for r in recs2[len(answered):]}
+    assert set(rerun) == {2, 3, "c", "d"} and len(recs2) == len(answered) + 4
+    assert "error" in rerun[2] and "error" in rerun[3] and rerun["c"]["tokens"] and rerun["d"]["tokens"]
 
 
 def test_unsupported_backend(engine, tmp_path):
