@@ -20,6 +20,28 @@ from models.transformer import load_model
 Progress = Callable[[str, int, int], None]
 
 
+def _keep_freed_memory() -> None:
+    """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the kernel.
+
+    A forward pass allocates its activations afresh (a 512-token chunk: ~10 MB per gate, up and
+    SwiGLU output, every layer). glibc serves blocks that big with mmap and unmaps them on free, so
+    each pass faulted in ~30,000 zeroed pages again: 0.15-0.25 s of kernel time per pp512 on 2
+    cores. Served from the heap and never trimmed, the same memory is reused pass after pass
+    (measured: faults 30,800 -> 0 per pass, qwen pp512 925-1068 -> 781-867 ms). The process keeps
+    its high-water mark, which is what it needs again at the next prompt anyway. No-op off glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 def _stderr_progress(what: str, done: int, total: int) -> None:
     if sys.stderr.isatty():
         end = "\n" if done >= total else ""
@@ -36,6 +58,7 @@ class NativeBackend(Backend):
         super().__init__(tokenizer, n_ctx)
         import numba
 
+        _keep_freed_memory()
         threads = threads or os.cpu_count() or 1
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self._threads = threads
