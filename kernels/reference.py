@@ -108,6 +108,64 @@ def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.nd
 _K_QUANT_F16_FIELDS = {12: (0, 4), 13: (0, 4), 14: (208, 210)}  # Q4_K d+dmin, Q5_K d+dmin, Q6_K d
 
 
+def _fma32(a, b, c):
+    """float32 a*b + c with one rounding, through float64 (exact product; the double rounding of
+    the sum differs from a true fma in about one case in 2**29)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def ggml_expf_ref(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf (llama.cpp's vec.h, AVX-512) in numpy: 2^n * poly(b) with n = round(x*log2 e)."""
+    x = np.asarray(x, np.float32)
+    f = lambda h: np.float32(float.fromhex(h))  # noqa: E731
+    r = f("0x1.8p23")
+    n = _fma32(x, f("0x1.715476p+0"), r) - r
+    b = _fma32(-n, f("0x1.7f7d1cp-20"), _fma32(-n, f("0x1.62e4p-1"), x))
+    u = b * b
+    j = _fma32(_fma32(_fma32(f("0x1.0e4020p-7"), b, f("0x1.573e2ep-5")), u, _fma32(f("0x1.555e66p-3"), b, f("0x1.fffdb6p-2"))),
+               u, _fma32(f("0x1.ffffecp-1"), b, np.float32(1.0)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        res = (np.ldexp(j.astype(np.float64), np.clip(n, -300, 300).astype(np.int64))).astype(np.float32)
+    return np.where(np.abs(n) > 192, np.where(n > 0, np.float32(np.inf), np.float32(0.0)), res)
+
+
+def attention_f16p_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.ndarray:
+    """attention_ref with llama.cpp's (no flash attention) softmax, which the CPU kernels follow:
+    scores s = (q.k) * scale in float32 (the dot as a chain of fused multiply-adds along head_dim);
+    e = ggml_v_expf(s - max); the row sum in float64 of the float32 sums of 16-key chunks (keys
+    16c..16c+15, added as _mm512_reduce_add_ps adds them); the probabilities e * float32(1/sum)
+    rounded to float16 before they weight V."""
+    T, Hq, hd = q.shape
+    N, Hkv, _ = k.shape
+    group = Hq // Hkv
+    p = q_start + np.arange(T)[:, None]
+    j = np.arange(N)[None, :]
+    visible = j <= p
+    if window > 0:
+        visible &= (p - j) < window
+    n_chunks = -(-N // 16)
+    out = np.empty((T, Hq, hd), np.float64)
+    for h in range(Hq):
+        kh, vh = k[:, h // group], v[:, h // group].astype(np.float64)
+        qh = q[:, h].astype(np.float32)
+        s = np.zeros((T, N), np.float32)
+        for e in range(hd):
+            s = _fma32(qh[:, e:e + 1], kh[None, :, e], s)
+        s = np.where(visible, s * np.float32(scale), np.float32(-np.inf))
+        m = s.max(axis=-1, keepdims=True)
+        e = np.where(visible, ggml_expf_ref(np.where(visible, s - m, 0)), np.float32(0.0))
+        lanes = np.zeros((T, n_chunks * 16), np.float32)
+        lanes[:, :N] = e
+        lanes = lanes.reshape(T, n_chunks, 16)
+        t = lanes[..., :8] + lanes[..., 8:]                      # (T, n_chunks, 8)
+        u = t[..., :4] + t[..., 4:]
+        chunk = (u[..., 0] + u[..., 2]) + (u[..., 1] + u[..., 3])  # float32 per chunk
+        inv = (1.0 / chunk.astype(np.float64).sum(axis=-1)).astype(np.float32)[:, None]
+        probs = (e * inv).astype(np.float16).astype(np.float64)
+        out[:, h] = probs @ vh
+    return out.astype(np.float32)
+
+
 def random_quantized(ggml_type: int, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random valid GGUF blocks (n_rows, row_bytes) uint8 for tests.
 

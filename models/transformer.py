@@ -216,6 +216,7 @@ class Block:
         self.post_ffn_norm = w.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
         self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
         self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
+        self.softmax = "llama.cpp"       # attention's softmax: "llama.cpp" or "online" (flash)
 
     def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], groups,
                   rope_tables: dict) -> np.ndarray:
@@ -251,10 +252,10 @@ class Block:
             if decode_rows:  # the one-token kernel row by row: a speculative check sees decode's numbers
                 for i in range(n):
                     o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, cfg.attn_scale,
-                                                  self.window)
+                                                  self.window, softmax=self.softmax)
             else:
                 o[rows] = attention_prefill(np.ascontiguousarray(q[rows]), kc, vc, table, start_pos,
-                                            cfg.attn_scale, self.window)
+                                            cfg.attn_scale, self.window, softmax=self.softmax)
             row += n
         o = mm(self.wo, o.reshape(T, cfg.n_head * hd))                    # (T, D)
         if self.post_attn_norm is not None:
@@ -299,6 +300,14 @@ class Decoder:
         self.llama_rounding = on
         for block in self.blocks:
             block.llama_rounding = on
+
+    def set_attention_softmax(self, softmax: str) -> None:
+        """"llama.cpp" (the default: its float16 probabilities, so greedy output tracks llama.cpp's)
+        or "online" (flash attention with float32 probabilities, kernels.cpu.attention_online)."""
+        if softmax not in ("llama.cpp", "online"):
+            raise ValueError(f"unknown softmax {softmax!r}")
+        for block in self.blocks:
+            block.softmax = softmax
 
     def _matrices(self):
         yield self.tok_embd

@@ -74,13 +74,14 @@ def _check(native, ref, tol, what):
 
 @pytest.mark.parametrize("qtype", fx.QUANT_TYPES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir):
+def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir, softmax="llama.cpp"):
     from models.gguf_file import open_model
     from core.tokenizer import Tokenizer
 
     g, tok = tiny_model(arch, qtype)
     native = NativeBackend(g, tok, 256, 2)
     native.model.set_llama_rounding(False)       # exact float32 activations, like the F32 twin
+    native.model.set_attention_softmax(softmax)
     prefill = native.logits_all(IDS)
     native.seq.release()
     decode = np.stack([native._forward([t]) for t in IDS])
@@ -91,6 +92,11 @@ def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir):
     _check(decode, ref, DECODE_TOL, f"{arch} {qtype} decode")
     _check(prefill, ref, PREFILL_TOL, f"{arch} {qtype} prefill")
 
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_online_softmax_matches_llamacpp(arch, tiny_model, twin_dir):
+    """The flash-attention kernels (online softmax, float32 probabilities) run the whole model too."""
+    test_native_matches_llamacpp(arch, "Q8_0", tiny_model, twin_dir, softmax="online")
 
 
 def test_prefill_in_chunks_then_decode_equals_one_pass(tiny_model):

@@ -1,13 +1,27 @@
-"""Paged flash attention (prefill and split-KV decode) against explicit-softmax attention."""
+"""Paged tiled attention (prefill and split-KV decode) against explicit-softmax attention: the
+default softmax against one that rounds as llama.cpp does (kernels.reference.attention_f16p_ref),
+the online (flash) softmax against float64 (attention_ref)."""
 import numpy as np
 import pytest
 
 from kernels.cpu.attention import attention_decode, attention_prefill, write_kv
-from kernels.reference import attention_ref, gather_kv_ref
+from kernels.reference import attention_f16p_ref, attention_ref, gather_kv_ref
 
-# float32 online softmax vs float64 explicit softmax: outputs are convex combinations of
-# V rows (|v| ~ 1), rescaling adds a few ulps per block, so 2e-5 absolute is ample.
-ATOL, RTOL = 2e-5, 1e-4
+# The reference rounds as the kernels do except for the order of the float32 dot products; a
+# score one ulp away can move its probability to the neighbouring float16 (2^-11 of it), which
+# these cases see at most once: 1e-5. (Probabilities kept in float32 would be off by ~5e-4.)
+ATOL, RTOL = 1e-5, 1e-5
+# online softmax in float32 vs float64: outputs are convex combinations of V rows (|v| ~ 1),
+# rescaling adds a few ulps per block.
+ONLINE_ATOL, ONLINE_RTOL = 2e-5, 1e-4
+SOFTMAXES = ["llama.cpp", "online"]
+
+
+def _check(got, q, k, v, q_start, scale, window, softmax):
+    if softmax == "online":
+        np.testing.assert_allclose(got, attention_ref(q, k, v, q_start, scale, window), rtol=ONLINE_RTOL, atol=ONLINE_ATOL)
+    else:
+        np.testing.assert_allclose(got, attention_f16p_ref(q, k, v, q_start, scale, window), rtol=RTOL, atol=ATOL)
 
 
 def _cache(n_tokens, hkv, hd, bs, rng, n_spare=3):
@@ -50,15 +64,16 @@ PREFILL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("n, q_start, hq, hkv, hd, bs, window", PREFILL_CASES)
-def test_prefill(n, q_start, hq, hkv, hd, bs, window):
+def test_prefill(n, q_start, hq, hkv, hd, bs, window, softmax):
     rng = np.random.default_rng(n * 31 + q_start)
     k_cache, v_cache, table, k, v = _cache(n, hkv, hd, bs, rng)
     write_kv(k_cache, v_cache, table, 0, k, v)
     q = rng.standard_normal((n - q_start, hq, hd)).astype(np.float32)
     scale = hd ** -0.5
-    got = attention_prefill(q, k_cache, v_cache, table, q_start, scale, window)
-    np.testing.assert_allclose(got, attention_ref(q, k, v, q_start, scale, window), rtol=RTOL, atol=ATOL)
+    got = attention_prefill(q, k_cache, v_cache, table, q_start, scale, window, softmax=softmax)
+    _check(got, q, k, v, q_start, scale, window, softmax)
 
 
 DECODE_CASES = [
@@ -79,52 +94,70 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("n_kv, hq, hkv, hd, bs, window, n_splits", DECODE_CASES)
-def test_decode(n_kv, hq, hkv, hd, bs, window, n_splits):
+def test_decode(n_kv, hq, hkv, hd, bs, window, n_splits, softmax):
     rng = np.random.default_rng(n_kv * 7 + hq)
     k_cache, v_cache, table, k, v = _cache(n_kv, hkv, hd, bs, rng)
     write_kv(k_cache, v_cache, table, 0, k, v)
     q = rng.standard_normal((hq, hd)).astype(np.float32)
     scale = hd ** -0.5
-    got = attention_decode(q, k_cache, v_cache, table, n_kv, scale, window, n_splits)
-    ref = attention_ref(q[None], k, v, n_kv - 1, scale, window)[0]
-    np.testing.assert_allclose(got, ref, rtol=RTOL, atol=ATOL)
+    got = attention_decode(q, k_cache, v_cache, table, n_kv, scale, window, n_splits, softmax=softmax)
+    _check(got[None], q[None], k, v, n_kv - 1, scale, window, softmax)
 
 
-def test_decode_equals_last_prefill_row():
+@pytest.mark.parametrize("softmax", SOFTMAXES)
+def test_decode_equals_last_prefill_row(softmax):
     rng = np.random.default_rng(5)
     k_cache, v_cache, table, k, v = _cache(45, 2, 64, 16, rng)
     write_kv(k_cache, v_cache, table, 0, k, v)
     q = rng.standard_normal((45, 14, 64)).astype(np.float32)
-    pre = attention_prefill(q, k_cache, v_cache, table, 0, 0.125)
-    dec = attention_decode(q[-1], k_cache, v_cache, table, 45, 0.125, n_splits=3)
+    pre = attention_prefill(q, k_cache, v_cache, table, 0, 0.125, softmax=softmax)
+    dec = attention_decode(q[-1], k_cache, v_cache, table, 45, 0.125, n_splits=3, softmax=softmax)
     np.testing.assert_allclose(dec, pre[-1], rtol=RTOL, atol=ATOL)
 
 
+def test_the_two_softmaxes_differ_by_float16_probabilities():
+    """The default rounds probabilities to float16 as llama.cpp does (outputs ~1e-4 apart from
+    float32 probabilities); online keeps float32. Each matches its own reference, not the other's."""
+    rng = np.random.default_rng(9)
+    k_cache, v_cache, table, k, v = _cache(60, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = rng.standard_normal((60, 14, 64)).astype(np.float32)
+    llama = attention_prefill(q, k_cache, v_cache, table, 0, 0.125)
+    online = attention_prefill(q, k_cache, v_cache, table, 0, 0.125, softmax="online")
+    assert np.abs(llama - online).max() > 10 * ATOL
+    with pytest.raises(ValueError, match="softmax"):
+        attention_decode(q[0], k_cache, v_cache, table, 1, 0.125, softmax="exact")
+
+
+@pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("q_tile", [1, 8, 64])
 @pytest.mark.parametrize("window", [0, 8])
-def test_prefill_tile_size_does_not_change_result(q_tile, window):
+def test_prefill_tile_size_does_not_change_result(q_tile, window, softmax):
     rng = np.random.default_rng(q_tile)
     k_cache, v_cache, table, k, v = _cache(70, 2, 64, 16, rng)
     write_kv(k_cache, v_cache, table, 0, k, v)
     q = rng.standard_normal((50, 14, 64)).astype(np.float32)
-    got = attention_prefill(q, k_cache, v_cache, table, 20, 0.125, window, q_tile=q_tile)
-    np.testing.assert_allclose(got, attention_ref(q, k, v, 20, 0.125, window), rtol=RTOL, atol=ATOL)
+    got = attention_prefill(q, k_cache, v_cache, table, 20, 0.125, window, q_tile=q_tile, softmax=softmax)
+    _check(got, q, k, v, 20, 0.125, window, softmax)
 
 
+@pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("window", [0, 8, 21])
 @pytest.mark.parametrize("split", [(1,) * 6, (2, 3, 1), (6,)])
-def test_prefill_rows_do_not_depend_on_chunking(window, split):
+def test_prefill_rows_do_not_depend_on_chunking(window, split, softmax):
     """A prompt prefilled in chunks (prefix reuse, continuous batching) gives each query row bit
     for bit the numbers one big prefill gives it, whatever the tile size."""
     rng = np.random.default_rng(sum(split) + window)
     k_cache, v_cache, table, k, v = _cache(70, 2, 64, 16, rng)
     write_kv(k_cache, v_cache, table, 0, k, v)
     q = rng.standard_normal((6, 14, 64)).astype(np.float32)
-    whole = attention_prefill(q, k_cache, v_cache, table, 64, 0.125, window)
+    whole = attention_prefill(q, k_cache, v_cache, table, 64, 0.125, window, softmax=softmax)
     parts, row = [], 0
     for n in split:
-        parts.append(attention_prefill(q[row:row + n], k_cache, v_cache, table, 64 + row, 0.125, window, q_tile=n))
+        parts.append(attention_prefill(q[row:row + n], k_cache, v_cache, table, 64 + row, 0.125, window, q_tile=n,
+                                       softmax=softmax))
         row += n
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
@@ -154,8 +187,9 @@ def test_write_kv_rounds_to_nearest_float16():
         np.testing.assert_array_equal(gather_kv_ref(v_cache, table, 20), v.astype(np.float16))
 
 
+@pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["parallel", "serial"])
-def test_parallel_and_serial_kernels(threshold, monkeypatch):
+def test_parallel_and_serial_kernels(threshold, softmax, monkeypatch):
     from kernels.cpu import attention, ops
 
     monkeypatch.setattr(ops, "PAR_MIN", threshold)
@@ -165,7 +199,7 @@ def test_parallel_and_serial_kernels(threshold, monkeypatch):
     write_kv(k_cache, v_cache, table, 0, k, v)
     np.testing.assert_array_equal(gather_kv_ref(k_cache, table, 40), k)
     q = rng.standard_normal((25, 4, 64)).astype(np.float32)
-    got = attention_prefill(q, k_cache, v_cache, table, 15, 0.125, 8)
-    np.testing.assert_allclose(got, attention_ref(q, k, v, 15, 0.125, 8), rtol=RTOL, atol=ATOL)
-    dec = attention_decode(q[-1], k_cache, v_cache, table, 40, 0.125)
-    np.testing.assert_allclose(dec, attention_ref(q[-1:], k, v, 39, 0.125)[0], rtol=RTOL, atol=ATOL)
+    got = attention_prefill(q, k_cache, v_cache, table, 15, 0.125, 8, softmax=softmax)
+    _check(got, q, k, v, 15, 0.125, 8, softmax)
+    dec = attention_decode(q[-1], k_cache, v_cache, table, 40, 0.125, softmax=softmax)
+    _check(dec[None], q[-1:], k, v, 39, 0.125, 0, softmax)
