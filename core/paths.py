@@ -2,7 +2,10 @@
 
 Environment variables override each location, which is how tests keep to temporary folders.
 """
+import hashlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 import platformdirs
@@ -24,7 +27,40 @@ def data_dir() -> Path:
     return path
 
 
+def kernels_fingerprint() -> str:
+    """Hash of the numba kernels' sources (kernels/cpu/*.py) and numba's version. numba's own cache
+    notices when the file of a compiled function changes, not when a helper it inlines from another
+    module does (ops.ggml_expf inside the attention kernels): a new fingerprint is a fresh cache."""
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    for f in sorted((Path(__file__).resolve().parent.parent / "kernels" / "cpu").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    try:
+        h.update(metadata.version("numba").encode())
+    except metadata.PackageNotFoundError:
+        pass
+    return h.hexdigest()[:16]
+
+
+STALE_CACHE_S = 24 * 3600
+
+
 def use_numba_cache() -> None:
     """Point numba's on-disk compile cache at the user cache dir, before numba is first imported,
-    so the second start of the native engine does not recompile its kernels."""
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
+    so the second start of the native engine does not recompile its kernels. One folder per
+    kernels_fingerprint(); the folders of other versions go once unused for a day (another
+    kvchat, older or newer, may still be running from them)."""
+    if "NUMBA_CACHE_DIR" in os.environ:
+        return
+    base = cache_dir() / "numba"
+    current = base / kernels_fingerprint()
+    os.environ["NUMBA_CACHE_DIR"] = str(current)
+    try:
+        current.mkdir(parents=True, exist_ok=True)
+        os.utime(current)
+        for old in base.iterdir():
+            if old.is_dir() and old != current and time.time() - old.stat().st_mtime > STALE_CACHE_S:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        pass                                  # a cache we cannot tidy still works
