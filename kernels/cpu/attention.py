@@ -72,24 +72,29 @@ def _softmax_f16(S, n, key0, m, inv):
     e = ggml_v_expf(S[j, i] - m[i]) and inv = float32(1 / sum), the sum in float64 of each 16-key
     chunk's float32 sum (keys 16c..16c+15, in _mm512_reduce_add_ps's tree). So the probabilities are
     normalised and rounded to float16 before they weight V, as ggml's soft_max followed by its f16
-    matmul with V does. m (R,) holds each row's max; a row that sees no key gets zeros."""
+    matmul with V does. m (R,) holds each row's max; a row that sees no key gets zeros. Every loop
+    runs along R without branches, so it vectorizes (ggml_expf(-inf) is 0)."""
     R = S.shape[1]
+    m_ref = np.empty(R, np.float32)
+    for i in range(R):
+        m_ref[i] = m[i] if m[i] > -np.inf else np.float32(0.0)   # a row with nothing visible: all -inf
+    for j in range(n):
+        srow = S[j]
+        for i in range(R):
+            srow[i] = ggml_expf(srow[i] - m_ref[i])
     tot = np.zeros(R, np.float64)
     lane = np.zeros((16, R), np.float32)
     for c in range(key0 - key0 % 16, key0 + n, 16):
         for k in range(16):
             j = c + k - key0
-            for i in range(R):
-                lane[k, i] = np.float32(0.0)
+            lk = lane[k]
             if 0 <= j < n:
                 srow = S[j]
                 for i in range(R):
-                    if srow[i] > -np.inf:
-                        e = ggml_expf(srow[i] - m[i])
-                        srow[i] = e
-                        lane[k, i] = e
-                    else:
-                        srow[i] = np.float32(0.0)
+                    lk[i] = srow[i]
+            else:
+                for i in range(R):
+                    lk[i] = np.float32(0.0)
         for i in range(R):
             t0 = lane[0, i] + lane[8, i]
             t1 = lane[1, i] + lane[9, i]
@@ -99,8 +104,7 @@ def _softmax_f16(S, n, key0, m, inv):
             t5 = lane[5, i] + lane[13, i]
             t6 = lane[6, i] + lane[14, i]
             t7 = lane[7, i] + lane[15, i]
-            u0, u1, u2, u3 = t0 + t4, t1 + t5, t2 + t6, t3 + t7
-            tot[i] += np.float64((u0 + u2) + (u1 + u3))
+            tot[i] += np.float64(((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)))
     for i in range(R):
         inv[i] = np.float32(1.0 / tot[i]) if tot[i] > 0 else np.float32(0.0)
     for j in range(n):

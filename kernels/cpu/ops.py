@@ -94,20 +94,18 @@ _E_C5, _E_C4, _E_C3, _E_C2, _E_C1 = (_hexf("0x1.0e4020p-7"), _hexf("0x1.573e2ep-
 @njit(cache=True, error_model="numpy", inline="always")
 def ggml_expf(x):
     """ggml_v_expf (the AVX-512 build of llama.cpp's vec.h) lane for lane: the same fused
-    multiply-adds in the same order, so SiLU gives llama.cpp's bits. Beyond |n| > 192 it
-    saturates to 0 / inf like ggml; results below 2^-126 may round differently (irrelevant)."""
+    multiply-adds in the same order, so SiLU and the softmax give llama.cpp's bits. _mm512_scalef_ps
+    (j * 2^n, one rounding) is two exact power-of-two steps, the second rounding only below 2^-126;
+    beyond |n| > 192 it saturates to 0 / inf like ggml. No branches: loops over it vectorize."""
     z = fma32(x, _E_LOG2E, _E_R)
     n = z - _E_R
     b = fma32(-n, _E_LN2_LO, fma32(-n, _E_LN2_HI, x))
     u = b * b
     j = fma32(fma32(fma32(_E_C5, b, _E_C4), u, fma32(_E_C3, b, _E_C2)), u, fma32(_E_C1, b, np.float32(1.0)))
-    if abs(n) > np.float32(192.0):
-        return np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
-    if n < np.float32(-126.0):      # scalef into the subnormals: two exact steps, then one rounding
-        return j * _pow2i(n + np.float32(126.0)) * _pow2i(np.float32(-126.0))
-    if n > np.float32(127.0):       # overflows to inf, as scalef does
-        return j * _pow2i(np.float32(127.0)) * _pow2i(n - np.float32(127.0))
-    return j * _pow2i(n)
+    n_in = min(max(n, np.float32(-192.0)), np.float32(192.0))
+    n_normal = min(max(n_in, np.float32(-126.0)), np.float32(127.0))
+    r = (j * _pow2i(n_in - n_normal)) * _pow2i(n_normal)
+    return r if abs(n) <= np.float32(192.0) else (np.float32(0.0) if n < np.float32(0.0) else np.float32(np.inf))
 
 
 _LOG2E = np.float32(1.4426950408889634)
