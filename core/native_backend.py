@@ -18,6 +18,8 @@ from models.gguf_file import GGUFFile
 from models.transformer import load_model
 
 Progress = Callable[[str, int, int], None]
+# A warm-up step slower than this compiled kernels rather than loading them from the cache.
+COMPILED_S = 1.0
 
 
 def _keep_freed_memory() -> None:
@@ -80,14 +82,26 @@ class NativeBackend(Backend):
 
     def _warm_up(self) -> None:
         """Run a 5-token step (the multi-row kernels) and a decode step so numba loads (or, on the
-        very first start, compiles) its kernels now rather than inside the user's first prompt;
-        reports progress while it does."""
+        very first start, compiles) its kernels now rather than inside the user's first prompt (on
+        the first start, again with every kernel in its multi-threaded variant); reports progress
+        while it does."""
+        from kernels.cpu.ops import all_parallel
+
         t0 = time.perf_counter()
-        self.progress("preparing kernels", 0, 1)
+        self.progress("preparing kernels", 0, 2)
         self._forward([self.tokenizer.bos_id or 0] * 5)
         self._forward([self.tokenizer.bos_id or 0])
         self.seq.release()
-        self.progress("preparing kernels", 1, 1)
+        self.progress("preparing kernels", 1, 2)
+        if time.perf_counter() - t0 > COMPILED_S:
+            # numba compiled (an empty cache): the multi-threaded variants that a long prompt and a
+            # long context take would compile inside the user's first such prompt; do them now.
+            # From a warm cache they load when first used, in milliseconds.
+            with all_parallel():
+                self._forward([self.tokenizer.bos_id or 0] * 5)
+                self._forward([self.tokenizer.bos_id or 0])
+            self.seq.release()
+        self.progress("preparing kernels", 2, 2)
         self.warmup_s = time.perf_counter() - t0
 
     def _enter_phase(self, phase: str) -> None:

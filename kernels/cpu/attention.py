@@ -29,7 +29,8 @@ from numba import njit, prange
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu.attention_tiles import dec_qk16, decode_pv, prefetch_rows, tile_pv, tile_scores, widen_rows16
-from kernels.cpu.ops import PAR_MIN, f16_bits, f16_value, ggml_expf, pick, serial_twin
+from kernels.cpu import ops
+from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin
 from kernels.cpu.quant import round_f16
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -467,7 +468,7 @@ def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, 
     bs = k_cache.shape[1]
     Hq, hd = q.shape
     kv_elems = n_keys * k_cache.shape[2] * hd  # K (and as many V) floats to read
-    parallel = kv_elems >= PAR_MIN
+    parallel = kv_elems >= ops.PAR_MIN
     if n_splits <= 0:
         n_splits = _choose_splits(n_keys, k_cache.shape[2], bs) if parallel else 1
     n_splits = max(1, min(int(n_splits), n_keys))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import types as pytypes
+from contextlib import contextmanager
 
 import numpy as np
 from llvmlite import ir
@@ -32,6 +33,18 @@ def serial_twin(kernel):
 def pick(kernel, twin, n_elements: int):
     """The parallel kernel for big inputs, its serial twin for small ones."""
     return kernel if n_elements >= PAR_MIN else twin
+
+
+@contextmanager
+def all_parallel():
+    """Within it every kernel picked by size takes its multi-threaded variant: a warm-up step then
+    loads (on the very first start: compiles) the variants a long prompt will use."""
+    global PAR_MIN
+    saved, PAR_MIN = PAR_MIN, 0
+    try:
+        yield
+    finally:
+        PAR_MIN = saved
 
 
 @intrinsic

@@ -15,7 +15,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.ops import PAR_MIN, serial_twin
+from kernels.cpu import ops
+from kernels.cpu.ops import serial_twin
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as _T
 
 # ggml type id -> (elements per block, bytes per block)
@@ -654,7 +655,7 @@ def dequantize_rows(packed: tuple[np.ndarray, ...], ggml_type: int, n_cols: int,
     n_rows = packed[0].shape[0]
     if rows.min() < 0 or rows.max() >= n_rows:
         raise IndexError(f"row index out of range [0, {n_rows})")
-    table = _DEQ if out.size >= PAR_MIN else _DEQ_SERIAL  # e.g. one embedding row: no thread pool
+    table = _DEQ if out.size >= ops.PAR_MIN else _DEQ_SERIAL  # e.g. one embedding row: no thread pool
     if ggml_type == F16:
         table[F16](packed[0], F16_LUT, rows, out)
     else:

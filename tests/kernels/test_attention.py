@@ -190,10 +190,9 @@ def test_write_kv_rounds_to_nearest_float16():
 @pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["parallel", "serial"])
 def test_parallel_and_serial_kernels(threshold, softmax, monkeypatch):
-    from kernels.cpu import attention, ops
+    from kernels.cpu import ops
 
     monkeypatch.setattr(ops, "PAR_MIN", threshold)
-    monkeypatch.setattr(attention, "PAR_MIN", threshold)
     rng = np.random.default_rng(11)
     k_cache, v_cache, table, k, v = _cache(40, 2, 64, 16, rng)
     write_kv(k_cache, v_cache, table, 0, k, v)

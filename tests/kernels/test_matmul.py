@@ -135,7 +135,7 @@ def test_shape_errors():
 @pytest.mark.parametrize("ggml_type", TYPES, ids=_name)
 def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
     """Small weights run serial twins of the kernels; force each path once per type."""
-    from kernels.cpu import matmul, quant
+    from kernels.cpu import matmul, ops
 
     n_cols = _k_for(ggml_type, True)
     qm, w, rng = _setup(ggml_type, 33, n_cols, ggml_type + 5)
@@ -143,7 +143,7 @@ def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
     ids = np.array([3, 32, 0])
     for threshold in (0, 1 << 62):  # 0: always parallel; huge: always serial
         monkeypatch.setattr(matmul, "GEMV_PAR_MIN_BYTES", threshold)
-        monkeypatch.setattr(quant, "PAR_MIN", threshold)
+        monkeypatch.setattr(ops, "PAR_MIN", threshold)
         _assert_close(qm.gemv(x), w, x, GEMV_RTOL, ggml_type)
         np.testing.assert_array_equal(qm.rows(ids), w[ids])
 
