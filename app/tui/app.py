@@ -1,7 +1,9 @@
 """The kvchat TUI: a chat view that streams from the engine, a conversation sidebar, live stats and
 an Inference X-ray panel.
 
-Threading: the engine runs in a Textual thread worker. That thread never touches a widget; it
+Processes: a model the app loads runs in a child process (core.engine_process.EngineProcess), so
+the engine's Python never queues behind Textual's on the GIL; an Engine handed in runs in-process.
+Threading: the engine is driven from a Textual thread worker. That thread never touches a widget; it
 posts small dataclass Messages (ResponseStarted, TokenArrived, ResponseDone, ResponseFailed,
 ModelProgress, ModelLoaded, ModelFailed) that the UI handles with @on. Token text is batched in the
 worker (at most 10 posts a second) and MarkdownStream coalesces whatever still arrives faster than
@@ -124,6 +126,7 @@ class KvChatApp(App):
         self.threads = threads
         self.speculative = speculative             # core.backend.SpeculativeConfig or None
         self.engine = engine
+        self.owns_engine = False                   # an engine handed in belongs to the caller
         self.history = History(db_path)
         self.conversation_id: int | None = None
         self.params = SamplingParams()            # settings for the next new chat (the last ones used)
@@ -170,6 +173,8 @@ class KvChatApp(App):
         self.cancel_event.set()
         if self.worker_idle.wait(5):   # let the reply be saved as 'stopped' before closing the db
             self.history.close()
+        if self.owns_engine and self.engine is not None:
+            self.engine.close()
 
     # --- conversations ---------------------------------------------------------------------
     async def refresh_sidebar(self) -> None:
@@ -405,7 +410,9 @@ class KvChatApp(App):
     # --- models ----------------------------------------------------------------------------
     @work(thread=True, exclusive=True, group="model")
     def load_model(self, spec: str) -> None:
-        from core.engine import Engine
+        """Loads into a child process (core.engine_process): the engine's Python then never waits
+        for Textual's rendering on the GIL."""
+        from core.engine_process import EngineProcess
         last = [0.0]
 
         def progress(stage: str, done: int, total: int) -> None:
@@ -416,7 +423,7 @@ class KvChatApp(App):
 
         self.post_message(ModelProgress(f"loading {spec}", 0, 0))
         try:
-            engine = Engine(spec, backend=self.backend_pref or (self.engine.backend_name if self.engine else None),
+            engine = EngineProcess(spec, backend=self.backend_pref or (self.engine.backend_name if self.engine else None),
                             n_ctx=self.n_ctx, threads=self.threads, progress=progress, backend_progress=progress)
         except Exception as e:   # noqa: BLE001 - a bad file must not take the app down
             self.post_message(ModelFailed(spec, str(e) or type(e).__name__))
@@ -440,6 +447,7 @@ class KvChatApp(App):
         self.query_one("#model-loading").display = False
         if old is not None and old is not self.engine:
             old.close()
+        self.owns_engine = True
         if not self.engine.has_chat_template:
             self.notify(f"{self.engine.model_name} has no chat template: plain completion of the conversation")
         self.notify(f"Model {self.engine.model_name} ready ({self.engine.backend_name})")

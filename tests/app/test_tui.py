@@ -259,3 +259,37 @@ async def test_xray_shows_speculative_acceptance(tmp_path):
             assert app.reply_widget.content == plain
     finally:
         native.close()
+
+
+async def test_a_model_the_app_loads_runs_in_its_own_process(tmp_path, gemma_path):
+    """`kvchat chat` loads its model into a child process (core.engine_process): the reply, the live
+    numbers and the history are as with an in-process engine, and the child ends with the app."""
+    import os
+
+    from core.engine import Engine
+    from core.engine_process import EngineProcess
+    db = tmp_path / "h.db"
+    params = SamplingParams(temperature=0.0, max_tokens=12, seed=1)
+    app = KvChatApp(model="gemma-3-270m", backend="native", n_ctx=512, db_path=db)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, 120, "the model to load")
+        engine = app.engine
+        assert isinstance(engine, EngineProcess) and engine.pid != os.getpid()
+        app.params = params
+        await type_and_send(pilot, "The capital of France is")
+        await wait_until(pilot, lambda: app.reply_widget is not None, 60, "the reply to start")
+        await wait_until(pilot, lambda: not app.generating, 120, "the reply to finish")
+        await pilot.pause()
+        reply = app.reply_widget.content
+        status = str(app.query_one("#status").render())
+        assert "TTFT" in status and "eval" in status and "/512" in status
+    assert engine._process.wait(10) == 0          # closed with the app
+    stored = History(db).messages(app.conversation_id)
+    assert [(m.role, m.status) for m in stored] == [("user", "complete"), ("assistant", "complete")]
+    assert stored[1].content == reply and stored[1].timings["predicted_n"] >= 1
+    local = Engine("gemma-3-270m", backend="native", n_ctx=512)
+    try:
+        ids = local.prompt_ids([{"role": "user", "content": "The capital of France is"}], chat=local.has_chat_template)
+        assert reply == "".join(e.text for e in local.generate(ids, params)) and reply
+    finally:
+        local.close()
