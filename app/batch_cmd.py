@@ -4,8 +4,8 @@ batching (core.batch) on the native engine.
 Input, one JSON object a line: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]},
 with optional sampling fields (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens,
 stop) over the command line's defaults. Output, one line per id, written and flushed as soon as it
-finishes: {"id", "text", "tokens", "finish_reason", "timings"}, or {"id", "error"} for a line that
-cannot run (the id, or the line number when there is none). Ids already answered in the output file
+finishes: {"id", "line", "text", "tokens", "finish_reason", "timings"}, or {"id", "line", "error"} for
+a line that cannot run ("id": null when the line has none; "line" is its 1-based number in the input). Ids already answered in the output file
 are skipped, so an interrupted run resumes where it stopped; ids that failed run again.
 """
 from __future__ import annotations
@@ -102,22 +102,23 @@ def resume_output(path: Path) -> set[str]:
     return done
 
 
-def parse_lines(lines, engine, base, chat: bool) -> Iterator[tuple[object, list[int] | None, object, str | None]]:
-    """(id, prompt ids, params, error) per non-blank line."""
+def parse_lines(lines, engine, base, chat: bool
+                ) -> Iterator[tuple[object, int, list[int] | None, object, str | None]]:
+    """(id, line number, prompt ids, params, error) per non-blank line; id None when the line has none."""
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            yield n, None, None, f"line {n}: not JSON ({e.msg})"
+            yield None, n, None, None, f"line {n}: not JSON ({e.msg})"
             continue
         if not isinstance(obj, dict):
-            yield n, None, None, f"line {n}: not a JSON object"
+            yield None, n, None, None, f"line {n}: not a JSON object"
             continue
         rid = obj.get("id")
         if rid is None or isinstance(rid, (dict, list)):
-            yield n, None, None, f"line {n}: missing id"
+            yield None, n, None, None, f"line {n}: missing id" + (" (it must be a string or a number)" if rid is not None else "")
             continue
         try:
             params = line_params(obj, base)
@@ -133,9 +134,9 @@ def parse_lines(lines, engine, base, chat: bool) -> Iterator[tuple[object, list[
                 raise BadInputError("needs a non-empty prompt or messages")
             ids = engine.prompt_ids(msgs, chat)
         except BadInputError as e:
-            yield rid, None, None, str(e)
+            yield rid, n, None, None, str(e)
             continue
-        yield rid, ids, params, None
+        yield rid, n, ids, params, None
 
 
 def cmd_batch(args) -> int:
@@ -165,7 +166,7 @@ def cmd_batch(args) -> int:
     chat = not args.no_chat and engine.has_chat_template
     if not args.no_chat and not engine.has_chat_template:
         sys.stderr.write(f"kvchat: note: {engine.model_name} has no chat template; using plain completion\n")
-    parsed = [p for p in parse_lines(lines, engine, base, chat) if json.dumps(p[0]) not in skip]
+    parsed = [p for p in parse_lines(lines, engine, base, chat) if p[0] is None or json.dumps(p[0]) not in skip]
     scheduler = BatchScheduler(engine.backend, args.parallel)
 
     from rich.console import Console
@@ -188,11 +189,11 @@ def cmd_batch(args) -> int:
             bar.update(task, advance=1, rate=rate)
 
         def requests():
-            for rid, ids, params, err in parsed:
+            for rid, line, ids, params, err in parsed:
                 if err is not None:
-                    write(BatchResult(rid, error=err))
+                    write(BatchResult(rid, error=err, line=line))
                 else:
-                    yield BatchRequest(rid, ids, params)
+                    yield BatchRequest(rid, ids, params, line=line)
 
         for res in scheduler.results(requests()):
             write(res)

@@ -34,6 +34,7 @@ class BatchRequest:
     id: Any
     prompt_ids: list[int]
     params: SamplingParams
+    line: int | None = None     # where it came from in the input file (for the record)
 
 
 @dataclass
@@ -44,11 +45,13 @@ class BatchResult:
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     error: str | None = None
+    line: int | None = None
 
     def as_record(self) -> dict:
+        where = {"id": self.id} | ({"line": self.line} if self.line is not None else {})
         if self.error is not None:
-            return {"id": self.id, "error": self.error}
-        return {"id": self.id, "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+            return where | {"error": self.error}
+        return where | {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
                 "timings": self.timings.as_dict()}
 
 
@@ -83,7 +86,8 @@ class _Active:
         return [self.next_token]
 
     def result(self) -> BatchResult:
-        return BatchResult(self.req.id, "".join(self.pieces), self.tokens, self.finish_reason, self.timings)
+        return BatchResult(self.req.id, "".join(self.pieces), self.tokens, self.finish_reason, self.timings,
+                           line=self.req.line)
 
 
 class BatchScheduler:
@@ -141,7 +145,7 @@ class BatchScheduler:
                     break
                 err = self._check(req)
                 if err:
-                    done.append(BatchResult(req.id, error=err))
+                    done.append(BatchResult(req.id, error=err, line=req.line))
                     continue
                 if on_start:
                     on_start(req)

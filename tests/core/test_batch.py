@@ -95,9 +95,12 @@ def test_cmd_batch_errors_and_resume(engine, tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     assert cmd_batch(_args(tmp_path, "--parallel", "2")) == 0
     recs = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    by_id = {r["id"]: r for r in recs}
-    assert set(by_id) == {"a", 2, 3, "b", "c"}
-    assert "error" in by_id[2] and "error" in by_id[3] and "temperature" in by_id["c"]["error"]
+    by_id = {r["id"]: r for r in recs if r["id"] is not None}
+    assert set(by_id) == {"a", "b", "c"}
+    no_id = sorted((r["line"], r["error"]) for r in recs if r["id"] is None)   # no made-up ids
+    assert [n for n, _ in no_id] == [2, 3] and "not JSON" in no_id[0][1] and "missing id" in no_id[1][1]
+    assert {r["id"]: r["line"] for r in recs if r["id"] is not None} == {"a": 1, "b": 4, "c": 5}
+    assert "temperature" in by_id["c"]["error"]
     assert by_id["b"]["timings"]["predicted_n"] <= 3 and by_id["b"]["finish_reason"] in ("stop", "length")
     ids = engine.prompt_ids("What is 2+2?")
     assert by_id["a"]["tokens"] == [e.id for e in engine.generate(ids, greedy(6)) if e.id >= 0]
@@ -113,7 +116,7 @@ def test_cmd_batch_errors_and_resume(engine, tmp_path):
     assert cmd_batch(_args(tmp_path)) == 0
     recs2 = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert recs2[:len(answered)] == answered
-    rerun = {r["id"]: r for r in recs2[len(answered):]}
+    rerun = {r["id"] if r["id"] is not None else r["line"]: r for r in recs2[len(answered):]}
     assert set(rerun) == {2, 3, "c", "d"} and len(recs2) == len(answered) + 4
     assert "error" in rerun[2] and "error" in rerun[3] and rerun["c"]["tokens"] and rerun["d"]["tokens"]
 
