@@ -148,6 +148,71 @@ def bench_speculative(engine, reps: int, n_gen: int, draft_n: int = 3, draft_mod
     return out
 
 
+BATCH_TOPICS = ["the sea", "a lighthouse", "binary search", "autumn", "a robot", "coffee", "the moon", "trains",
+                "recursion", "a garden", "winter", "a library", "bees", "mountains", "rain", "a clock"]
+BATCH_TASKS = ["Write a short poem about {}.", "Explain {} to a child."]
+
+
+def batch_prompts(n: int) -> list[str]:
+    return [BATCH_TASKS[i % 2].format(BATCH_TOPICS[(i // 2) % len(BATCH_TOPICS)]) + ("" if i < 32 else f" ({i})")
+            for i in range(n)]
+
+
+def bench_one_by_one(engine, prompts: list[str], n_gen: int) -> tuple[float, list[list[int]]]:
+    """Tokens/s running the prompts one after another (greedy, max n_gen tokens each), and the tokens."""
+    params = SamplingParams(temperature=0, max_tokens=n_gen)
+    outputs, t0 = [], time.perf_counter()
+    for prompt in prompts:
+        ids = engine.prompt_ids(prompt, chat=engine.has_chat_template)
+        outputs.append([e.id for e in engine.generate(ids, params) if e.id >= 0])
+    return sum(map(len, outputs)) / (time.perf_counter() - t0), outputs
+
+
+def bench_batch(engine, prompts: list[str], n_gen: int, parallel: int) -> tuple[float, list[list[int]], int]:
+    """Tokens/s of continuous batching over the prompts (greedy), their tokens, and the steps taken."""
+    from core.batch import BatchRequest, BatchScheduler
+    params = SamplingParams(temperature=0, max_tokens=n_gen)
+    requests = [BatchRequest(i, engine.prompt_ids(p, chat=engine.has_chat_template), params)
+                for i, p in enumerate(prompts)]
+    scheduler = BatchScheduler(engine.backend, parallel)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    for res in scheduler.results(requests):
+        if res.error:
+            raise RuntimeError(f"batch request {res.id}: {res.error}")
+        outputs[res.id] = res.tokens
+    return sum(map(len, outputs)) / (time.perf_counter() - t0), outputs, scheduler.steps
+
+
+def cmd_bench_batch(args, engines) -> int:
+    """--batch N: N prompts x up to -n tokens, greedy, through continuous batching (native) against
+    each backend one prompt after another in-process. Batched tokens must equal the one-by-one ones."""
+    prompts = batch_prompts(args.batch)
+    rates: dict[str, float] = {}
+    for name, engine in engines.items():
+        list(engine.generate(engine.prompt_ids("Hi", chat=False), SamplingParams(temperature=0, max_tokens=2)))
+        rates[name], outs = bench_one_by_one(engine, prompts, args.n_gen)
+        print(f"{name:<10} one by one: {len(prompts)} prompts, {sum(map(len, outs))} tokens, {rates[name]:.1f} t/s",
+              file=sys.stderr)
+        if name == "native":
+            batch_rate, batch_outs, steps = bench_batch(engine, prompts, args.n_gen, args.parallel)
+            same = sum(a == b for a, b in zip(batch_outs, outs))
+            if same != len(prompts):
+                raise RuntimeError(f"batched output differs from one-by-one output on {len(prompts) - same} prompts")
+            rates["batch"] = batch_rate
+            print(f"{name:<10} batch --parallel {args.parallel}: {sum(map(len, batch_outs))} tokens in {steps} steps, "
+                  f"{batch_rate:.1f} t/s (every prompt's tokens equal its one-by-one run)", file=sys.stderr)
+    if "batch" in rates:
+        line = f"batch {len(prompts)}x{args.n_gen}: {rates['batch']:.1f} t/s"
+        for name in engines:
+            line += f" | {name} one by one {rates[name]:.1f} t/s (batch {rates['batch'] / rates[name]:.2f}x)"
+        print(line)
+    if args.json:
+        print(json.dumps({"test": f"batch{len(prompts)}x{args.n_gen}", **{f"{k}_t_s": round(v, 2)
+                                                                            for k, v in rates.items()}}))
+    return 0
+
+
 def cmd_bench_modes(args, engines) -> int:
     for name, engine in engines.items():
         if args.multiturn:
@@ -183,6 +248,8 @@ def cmd_bench(args) -> int:
         raise BadInputError("-p, -n and -r must be at least 1")
     if args.depth < 0:
         raise BadInputError("--depth must be >= 0")
+    if args.batch < 0 or args.parallel < 1:
+        raise BadInputError("--batch must be >= 0 and --parallel >= 1")
     model = args.model or registry.DEFAULT_MODEL
     args.ctx = args.ctx or max(args.n_prompt, args.depth + args.n_gen + 1,
                                2048 if (args.multiturn or args.speculative) else 0) + 64
@@ -192,6 +259,8 @@ def cmd_bench(args) -> int:
     for name in names:
         args.backend = name
         engines[name] = load_engine(args, model)
+    if args.batch:
+        return cmd_bench_batch(args, engines)
     if args.multiturn or args.speculative:
         return cmd_bench_modes(args, engines)
     n_vocab = next(iter(engines.values())).tokenizer.n_vocab

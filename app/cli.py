@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", default=None,
                        help="with --speculative: also time this draft model (e.g. qwen2.5-coder-0.5b-instruct)")
     bench.add_argument("--draft-n", type=int, default=3, help="with --speculative: draft tokens per check (default: 3)")
+    bench.add_argument("--batch", type=int, default=0, metavar="N",
+                       help="N prompts x up to -n tokens (greedy): continuous batching (native) vs each backend "
+                            "one prompt at a time, in-process; batched tokens must equal one-by-one tokens")
+    bench.add_argument("--parallel", type=int, default=16, help="with --batch: sequences per step (default: 16)")
 
     from app.batch_cmd import add_batch_parser
     from app.export import add_export_parser

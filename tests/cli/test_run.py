@@ -214,6 +214,18 @@ def test_bench_decode_at_depth(qwen_path):
     assert too_deep.returncode == 2 and "do not fit" in too_deep.stderr.decode()
 
 
+def test_bench_batch_against_one_by_one(qwen_path):
+    """--batch N: continuous batching vs each backend one prompt at a time; it fails unless every
+    batched prompt's tokens equal its one-by-one run."""
+    out = run_kvchat("bench", "--backend", "native,llama.cpp", "--batch", "3", "-n", "6", "--parallel", "2", "--json")
+    assert out.returncode == 0, out.stderr.decode()
+    row = json.loads(out.stdout.decode().splitlines()[-1])
+    assert row["test"] == "batch3x6" and all(row[f"{k}_t_s"] > 0 for k in ("batch", "native", "llama.cpp"))
+    assert "equal its one-by-one run" in out.stderr.decode()
+    bad = run_kvchat("bench", "--batch", "2", "--parallel", "0")
+    assert bad.returncode == 2 and "--parallel" in bad.stderr.decode()
+
+
 def test_batch_cli_writes_every_answer_and_resumes(qwen_path, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     answers = tmp_path / "answers.jsonl"
