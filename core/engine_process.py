@@ -225,7 +225,7 @@ class EngineProcess:
             # a plain subprocess (not multiprocessing): nothing of the caller's __main__ is re-run
             self._process = subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(theirs.fileno())],
                                              pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                             stdout=log, stderr=log, env=env, cwd=root)
+                                             stdout=log, stderr=log, env=env)   # cwd kept: a relative -m path
         theirs.close()              # the parent keeps one end: the child sees EOF when the parent goes
         self._conn = Connection(ours.detach())
         self._lock = threading.Lock()

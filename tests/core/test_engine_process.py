@@ -130,3 +130,18 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_relative_model_path_and_the_llamacpp_backend(gemma_path, monkeypatch, local):
+    """The child works in the caller's folder (a relative -m path), and runs llama.cpp just as well."""
+    monkeypatch.chdir(gemma_path.parent)
+    eng = EngineProcess(gemma_path.name, backend="llama.cpp", n_ctx=N_CTX, threads=2)
+    try:
+        assert eng.backend_name == "llama.cpp" and not hasattr(eng.backend, "decode_threads")
+        with pytest.raises(AttributeError):
+            eng.backend.decode_threads = 1
+        ids = eng.prompt_ids("The capital of France is", chat=False)
+        got = [e.id for e in eng.generate(ids, GREEDY)]
+        assert len(got) == eng.backend.timings.predicted_n > 0
+    finally:
+        eng.close()
