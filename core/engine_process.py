@@ -247,16 +247,24 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
+    def _stopped(self) -> RuntimeError:
+        try:
+            self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        return RuntimeError(f"the engine process stopped (exit code {self._process.returncode}); see {self.log_path}")
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError:
+            raise self._stopped() from None
+
     def _recv(self):
         try:
             msg = self._conn.recv()
         except (EOFError, OSError):
-            try:
-                self._process.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            raise RuntimeError(f"the engine process stopped (exit code {self._process.returncode}); "
-                               f"see {self.log_path}") from None
+            raise self._stopped() from None
         if msg[0] == "progress" and self._progress is not None:
             self._progress(*msg[1:])
         return msg
@@ -269,7 +277,7 @@ class EngineProcess:
 
     def _request(self, request):
         with self._lock:
-            self._conn.send(request)
+            self._send(request)
             msg = self._recv_until(("ok", "error"))
         if msg[0] == "error":
             raise BadInputError(msg[2]) if msg[1] else RuntimeError(msg[2])
@@ -286,12 +294,12 @@ class EngineProcess:
         """Engine.generate, streamed from the child. Stopping early (break, or an exception in the
         caller) cancels the child's generation and drains it, so the pipe is clean for the next request."""
         with self._lock:
-            self._conn.send(("generate", list(prompt_ids), params, speculative))
+            self._send(("generate", list(prompt_ids), params, speculative))
             finished = cancelled = False
             try:
                 while True:
                     if cancel is not None and cancel.is_set() and not cancelled:
-                        self._conn.send(("cancel",))
+                        self._send(("cancel",))
                         cancelled = True
                     if not self._conn.poll(POLL_S):
                         continue

@@ -296,6 +296,9 @@ class KvChatApp(App):
         except BadInputError as e:
             self.notify(str(e), severity="error")
             return
+        except RuntimeError as e:   # the engine's process is gone (killed, out of memory)
+            self.notify(f"{e}. Load a model again with f5.", title="Engine error", severity="error", timeout=10)
+            return
         if len(ids) >= engine.n_ctx:
             self.notify(f"The message is {len(ids)} tokens; the context holds {engine.n_ctx}", severity="error")
             return

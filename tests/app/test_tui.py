@@ -293,3 +293,28 @@ async def test_a_model_the_app_loads_runs_in_its_own_process(tmp_path, gemma_pat
         assert reply == "".join(e.text for e in local.generate(ids, params)) and reply
     finally:
         local.close()
+
+
+async def test_a_killed_engine_process_is_an_error_not_a_crash(tmp_path, gemma_path):
+    """The engine's process dies (OOM killer, kill -9): sending says so, and the app, its history and
+    a model reload (f5's path) keep working."""
+    import os
+    import signal
+
+    db = tmp_path / "h.db"
+    app = KvChatApp(model="gemma-3-270m", backend="llama.cpp", n_ctx=512, db_path=db)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, 120, "the model to load")
+        dead = app.engine
+        os.kill(dead.pid, signal.SIGKILL)
+        dead._process.wait(10)
+        await type_and_send(pilot, "Hello")
+        await pilot.pause()
+        assert not app.generating and app.is_running
+        assert any("engine process stopped" in str(n.message) for n in app._notifications)
+        app.load_model("gemma-3-270m")
+        await wait_until(pilot, lambda: app.engine is not dead and app.engine is not None, 120, "the reload")
+        app.params = SamplingParams(temperature=0.0, max_tokens=4, seed=1)
+        await app.send("Hello again")
+        await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "a reply")
+        assert app.reply_widget.status == "complete" and app.reply_widget.content
