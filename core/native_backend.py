@@ -11,7 +11,7 @@ import numpy as np
 
 from core.backend import Backend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
-from core.paths import cache_dir
+from core.paths import weights_cache_dir
 from core.tokenizer import Tokenizer
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
@@ -69,9 +69,7 @@ class NativeBackend(Backend):
         # in the chat 20-28 t/s on 2 threads, 30-37 on 1; prefill keeps every thread).
         self.decode_threads: int | None = None
         self.progress = progress or _stderr_progress
-        st = gguf.path.stat()
-        weights_cache = cache_dir() / "weights" / f"{gguf.path.stem}-{st.st_size}-{st.st_mtime_ns}-v1"
-        self.model = load_model(gguf, self.progress, weights_cache)
+        self.model = load_model(gguf, self.progress, weights_cache_dir(gguf.path))
         cfg = self.model.cfg
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")

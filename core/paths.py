@@ -64,3 +64,23 @@ def use_numba_cache() -> None:
                 shutil.rmtree(old, ignore_errors=True)
     except OSError:
         pass                                  # a cache we cannot tidy still works
+
+
+# Version of the repacked-weights layout (models.transformer caches the Q4_K x8 repack): a new
+# layout is a new folder, and the model's folders of other layouts are removed.
+WEIGHTS_LAYOUT = "x8-1"
+
+
+def weights_cache_dir(gguf_path: Path) -> Path:
+    """Folder for one GGUF's repacked weights, keyed by its name, size, mtime and the layout."""
+    st = gguf_path.stat()
+    base = cache_dir() / "weights"
+    prefix = f"{gguf_path.stem}-{st.st_size}-"
+    current = base / f"{prefix}{st.st_mtime_ns}-{WEIGHTS_LAYOUT}"
+    try:
+        for old in base.iterdir() if base.is_dir() else ():
+            if old.is_dir() and old != current and old.name.startswith(prefix):
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        pass
+    return current

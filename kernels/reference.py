@@ -108,62 +108,251 @@ def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.nd
 _K_QUANT_F16_FIELDS = {12: (0, 4), 13: (0, 4), 14: (208, 210)}  # Q4_K d+dmin, Q5_K d+dmin, Q6_K d
 
 
-def _fma32(a, b, c):
-    """float32 a*b + c with one rounding, through float64 (exact product; the double rounding of
-    the sum differs from a true fma in about one case in 2**29)."""
-    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+# --- llama.cpp's AVX2 arithmetic, float operation for float operation --------------------------
+# What the exact kernels (kernels/cpu/qdot.py, the attention kernels) must equal bit for bit. Each
+# is written from llama.cpp 0.3.36's ggml-cpu sources (named in the docstrings) in plain numpy.
+
+def fma32(a, b, c):
+    """float32 a * b + c rounded once: the exact float64 product plus c, rounded to odd in float64
+    (TwoSum tells whether the sum was exact), then to float32. Rounding to odd first makes the
+    second rounding the correct one (53 >= 24 + 2 bits)."""
+    a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+    inexact_even = (err != 0) & ((s.view(np.int64) & 1) == 0)
+    s = np.where(inexact_even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def hsum8_ref(acc):
+    """hsum_float_8 / tinyBLAS hsum over the last axis (8): ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
+    r = (acc[..., 4:] + acc[..., :4]).astype(np.float32)
+    return ((r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])).astype(np.float32)
+
+
+def reduce4x8_ref(s):
+    """GGML_F32x8_REDUCE of ggml_vec_dot_f16's accumulators (..., 4, 8)."""
+    x0 = ((s[..., 0, :] + s[..., 2, :]).astype(np.float32) + (s[..., 1, :] + s[..., 3, :]).astype(np.float32))
+    x0 = x0.astype(np.float32)
+    t = (x0[..., :4] + x0[..., 4:]).astype(np.float32)
+    return ((t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])).astype(np.float32)
+
+
+_EXP = {k: np.float32(float.fromhex(h)) for k, h in dict(
+    R="0x1.8p23", L2E="0x1.715476p+0", LN2HI="0x1.62e4p-1", LN2LO="0x1.7f7d1cp-20", C5="0x1.0e4020p-7",
+    C4="0x1.573e2ep-5", C3="0x1.555e66p-3", C2="0x1.fffdb6p-2", C1="0x1.ffffecp-1").items()}
 
 
 def ggml_expf_ref(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf (llama.cpp's vec.h, AVX-512) in numpy: 2^n * poly(b) with n = round(x*log2 e)."""
+    """ggml_v_expf of the AVX2 build (vec.h): k = 2^n from the exponent bits, fma(k, j, k); for
+    126 < |n| <= 192 (s2*j + s2)*s1, beyond s1*s1."""
+    E = _EXP
     x = np.asarray(x, np.float32)
-    f = lambda h: np.float32(float.fromhex(h))  # noqa: E731
-    r = f("0x1.8p23")
-    n = _fma32(x, f("0x1.715476p+0"), r) - r
-    b = _fma32(-n, f("0x1.7f7d1cp-20"), _fma32(-n, f("0x1.62e4p-1"), x))
-    u = b * b
-    j = _fma32(_fma32(_fma32(f("0x1.0e4020p-7"), b, f("0x1.573e2ep-5")), u, _fma32(f("0x1.555e66p-3"), b, f("0x1.fffdb6p-2"))),
-               u, _fma32(f("0x1.ffffecp-1"), b, np.float32(1.0)))
-    with np.errstate(over="ignore", invalid="ignore"):
-        res = (np.ldexp(j.astype(np.float64), np.clip(n, -300, 300).astype(np.int64))).astype(np.float32)
-    return np.where(np.abs(n) > 192, np.where(n > 0, np.float32(np.inf), np.float32(0.0)), res)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = fma32(x, E["L2E"], E["R"])
+        n = (z - E["R"]).astype(np.float32)
+        b = fma32(-n, E["LN2LO"], fma32(-n, E["LN2HI"], x))
+        e = (z.view(np.uint32).astype(np.uint64) << np.uint64(23)) & np.uint64(0xFFFFFFFF)
+        k = ((e + np.uint64(0x3F800000)) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+        u = (b * b).astype(np.float32)
+        j = fma32(fma32(fma32(E["C5"], b, E["C4"]), u, fma32(E["C3"], b, E["C2"])), u, (E["C1"] * b).astype(np.float32))
+        g = np.where(n <= 0, np.uint64(0x82000000), np.uint64(0))
+        s1 = ((g + np.uint64(0x7F000000)) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+        s2 = ((e - g) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+        big = np.where(np.abs(n) > 192, (s1 * s1).astype(np.float32), (fma32(s2, j, s2) * s1).astype(np.float32))
+        return np.where(np.abs(n) > 126, big, fma32(k, j, k)).astype(np.float32)
 
 
-def attention_f16p_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.ndarray:
-    """attention_ref with llama.cpp's (no flash attention) softmax, which the CPU kernels follow:
-    scores s = (q.k) * scale in float32 (the dot as a chain of fused multiply-adds along head_dim);
-    e = ggml_v_expf(s - max); the row sum in float64 of the float32 sums of 16-key chunks (keys
-    16c..16c+15, added as _mm512_reduce_add_ps adds them); the probabilities e * float32(1/sum)
-    rounded to float16 before they weight V."""
+def softmax_llama_ref(s: np.ndarray, scale: float, visible: np.ndarray) -> np.ndarray:
+    """ggml_compute_forward_soft_max_f32 (AVX2) over rows of cells 0..N-1 (N % 8 == 0), then the
+    float16 rounding of the product that follows: x = s * scale (-inf where not visible),
+    e = ggml_v_expf(x - max), sum in float64 of each 8-cell chunk's hsum_float_8, e * float32(1/sum)."""
+    x = np.where(visible, (np.asarray(s, np.float32) * np.float32(scale)).astype(np.float32), np.float32(-np.inf))
+    e = ggml_expf_ref(x - x.max(axis=-1, keepdims=True))
+    N = s.shape[-1]
+    tot = hsum8_ref(e.reshape(e.shape[:-1] + (N // 8, 8))).astype(np.float64).sum(axis=-1)
+    inv = (1.0 / tot).astype(np.float32)
+    return (e * inv[..., None]).astype(np.float32).astype(np.float16).astype(np.float32)
+
+
+def dot_f16_tinyblas_ref(a, b):
+    """tinyBLAS<8, __m256> float16 product of rows a (..., L) and b (..., L) (float32 holding
+    float16 values): element l to lane l % 8, fma chains in order, hsum at the end; L % 8 == 0."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    acc = np.zeros(np.broadcast_shapes(a.shape, b.shape)[:-1] + (8,), np.float32)
+    for i in range(0, a.shape[-1], 8):
+        acc = fma32(a[..., i:i + 8], b[..., i:i + 8], acc)
+    return hsum8_ref(acc)
+
+
+def dot_f16_vec_ref(a, b):
+    """ggml_vec_dot_f16 (AVX2): element e to accumulator (e // 8) % 4, lane e % 8, chains in steps of
+    32, GGML_F32x8_REDUCE; L % 32 == 0."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    acc = np.zeros(np.broadcast_shapes(a.shape, b.shape)[:-1] + (4, 8), np.float32)
+    for i in range(0, a.shape[-1], 32):
+        acc = fma32(a[..., i:i + 32].reshape(a.shape[:-1] + (4, 8)), b[..., i:i + 32].reshape(b.shape[:-1] + (4, 8)), acc)
+    return reduce4x8_ref(acc)
+
+
+def attention_llama_ref(q, k, v, q_start: int, scale: float, window: int = 0, batched: bool = True) -> np.ndarray:
+    """llama.cpp's attention without flash attention (AVX2 build). q (T, Hq, hd) float16 values, k, v
+    (N, Hkv, hd) the float16 cache (cells 0..N-1 = positions). Scores and output are float16
+    products over the cells (padded with zeros to a multiple of 32), tinyBLAS for a batch of
+    tokens, ggml_vec_dot_f16 for one (batched=False)."""
     T, Hq, hd = q.shape
     N, Hkv, _ = k.shape
-    group = Hq // Hkv
+    Np = -(-N // 32) * 32
+    kp, vp = np.zeros((Np, Hkv, hd), np.float32), np.zeros((Np, Hkv, hd), np.float32)
+    kp[:N], vp[:N] = k, v
     p = q_start + np.arange(T)[:, None]
-    j = np.arange(N)[None, :]
-    visible = j <= p
+    j = np.arange(Np)[None, :]
+    visible = (j <= p) & (j < N)
     if window > 0:
         visible &= (p - j) < window
-    n_chunks = -(-N // 16)
-    out = np.empty((T, Hq, hd), np.float64)
+    dot = dot_f16_tinyblas_ref if batched else dot_f16_vec_ref
+    out = np.empty((T, Hq, hd), np.float32)
     for h in range(Hq):
-        kh, vh = k[:, h // group], v[:, h // group].astype(np.float64)
-        qh = q[:, h].astype(np.float32)
-        s = np.zeros((T, N), np.float32)
-        for e in range(hd):
-            s = _fma32(qh[:, e:e + 1], kh[None, :, e], s)
-        s = np.where(visible, s * np.float32(scale), np.float32(-np.inf))
-        m = s.max(axis=-1, keepdims=True)
-        e = np.where(visible, ggml_expf_ref(np.where(visible, s - m, 0)), np.float32(0.0))
-        lanes = np.zeros((T, n_chunks * 16), np.float32)
-        lanes[:, :N] = e
-        lanes = lanes.reshape(T, n_chunks, 16)
-        t = lanes[..., :8] + lanes[..., 8:]                      # (T, n_chunks, 8)
-        u = t[..., :4] + t[..., 4:]
-        chunk = (u[..., 0] + u[..., 2]) + (u[..., 1] + u[..., 3])  # float32 per chunk
-        inv = (1.0 / chunk.astype(np.float64).sum(axis=-1)).astype(np.float32)[:, None]
-        probs = (e * inv).astype(np.float16).astype(np.float64)
-        out[:, h] = probs @ vh
-    return out.astype(np.float32)
+        kh, vh = kp[:, h // (Hq // Hkv)], vp[:, h // (Hq // Hkv)]
+        s = dot(np.asarray(q, np.float32)[:, h, None, :], kh[None])                   # (T, Np)
+        prob = softmax_llama_ref(s, scale, visible)
+        out[:, h] = dot(prob[:, None, :], vh.T[None])                                 # (T, hd)
+    return out
+
+
+def quantize_q8_0_ref(x):
+    """quantize_row_q8_0 (AVX2): per 32 d = f16(amax / 127), q = rint(x * float32(127 / amax))."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint((xb * idv).astype(np.float32)).astype(np.int8)
+    d = (amax[..., 0] / np.float32(127)).astype(np.float16).astype(np.float32)
+    return q.reshape(x.shape), d
+
+
+def quantize_q8_k_ref(x):
+    """quantize_row_q8_K_ref: per 256 the first value of largest magnitude maps to -127."""
+    x = np.asarray(x, np.float32)
+    xb = x.reshape(x.shape[0], -1, 256)
+    vmax = np.take_along_axis(xb, np.abs(xb).argmax(-1)[..., None], -1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(vmax != 0, np.float32(-127) / vmax, np.float32(0)).astype(np.float32)
+        d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)[..., 0]
+    q = np.minimum(127, np.rint((iscale * xb).astype(np.float32))).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def _f16(raw):
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack_q8_0(raw, K):
+    """GGUF Q8_0 rows -> (d (N, nb), values (N, K) int)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 32, 34)
+    return _f16(k[..., :2]), k[..., 2:].view(np.int8).reshape(-1, K).astype(np.int32)
+
+
+def unpack_q5_0(raw, K):
+    """GGUF Q5_0 rows -> (d (N, nb), values q - 16 (N, K) int)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 32, 22)
+    qh = np.ascontiguousarray(k[..., 2:6]).view("<u4")[..., 0]
+    q = np.concatenate([(k[..., 6:22] & 15), (k[..., 6:22] >> 4)], -1).astype(np.int32)
+    bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32)
+    return _f16(k[..., :2]), ((q | (bits << 4)) - 16).reshape(-1, K)
+
+
+def unpack_q4_k(raw, K):
+    """GGUF Q4_K rows -> d, dmin (N, nb), q (N, nb, 256) 0..15, sc, mn (N, nb, 8)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 144)
+    s = k[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = k[..., 16:144].reshape(k.shape[0], K // 256, 4, 32).astype(np.int32)
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(k.shape[0], K // 256, 256)
+    return _f16(k[..., 0:2]), _f16(k[..., 2:4]), q, sc, mn
+
+
+def unpack_q6_k(raw, K):
+    """GGUF Q6_K rows -> d (N, nb), q (N, nb, 256) unsigned 0..63, sc (N, nb, 16)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 210)
+    q = np.empty(k.shape[:2] + (256,), np.int32)
+    for h in range(2):
+        a = k[..., 64 * h:64 * h + 32].astype(np.int32)
+        b = k[..., 64 * h + 32:64 * h + 64].astype(np.int32)
+        hb = k[..., 128 + 32 * h:128 + 32 * h + 32].astype(np.int32)
+        q[..., 128 * h:128 * h + 32] = (a & 15) | ((hb & 3) << 4)
+        q[..., 128 * h + 32:128 * h + 64] = (b & 15) | (((hb >> 2) & 3) << 4)
+        q[..., 128 * h + 64:128 * h + 96] = (a >> 4) | (((hb >> 4) & 3) << 4)
+        q[..., 128 * h + 96:128 * h + 128] = (b >> 4) | (((hb >> 6) & 3) << 4)
+    return _f16(k[..., 208:210]), q, k[..., 192:208].view(np.int8).astype(np.int32)
+
+
+def matmul_q0_ref(d_w, w, d_x, xq):
+    """Q8_0 / Q5_0 against q8_0 rows: ggml_vec_dot_q*_q8_0 (one row) = tinyBLAS_Q0_AVX (several):
+    per output 8 lanes, lane k of block b += (d_w * d_x) * (sum of the 4 products at 4k..4k+3)
+    (one fma), hsum_float_8 at the end. (M, K) x (N, K) -> (M, N)."""
+    M, K = xq.shape
+    N, nb = w.shape[0], K // 32
+    isum = (np.asarray(xq, np.int64)[:, None, :] * np.asarray(w, np.int64)[None]).reshape(M, N, nb, 8, 4).sum(-1)
+    d = (d_x[:, None, :] * d_w[None]).astype(np.float32)
+    acc = np.zeros((M, N, 8), np.float32)
+    for b in range(nb):
+        acc = fma32(d[:, :, b, None], isum[:, :, b].astype(np.float32), acc)
+    return hsum8_ref(acc)
+
+
+def matmul_q4_k_ref(unpacked, d_x, xq, per_pair: bool):
+    """Q4_K against q8_K rows, llama.cpp's repacked 8x8 kernels: ints I = sum sc_j dot_j and
+    Mn = sum mn_j bsum32_j, acc += float(I) * (d_w d_x), acc_min += float(Mn) * (dmin_w d_x), result
+    acc - acc_min; one step per super-block (gemv) or per sub-block pair (gemm: per_pair)."""
+    d_w, dmin_w, q, sc, mn = unpacked
+    M, K = xq.shape
+    N, nb = q.shape[0], K // 256
+    x = np.asarray(xq, np.int64).reshape(M, nb, 256)
+    acc, accm = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
+    for b in range(nb):
+        dot = (q[None, :, b, :].astype(np.int64) * x[:, None, b, :]).reshape(M, N, 8, 32).sum(-1)
+        bs = x[:, b, :].reshape(M, 8, 32).sum(-1)
+        I, Mn = dot * sc[None, :, b, :], bs[:, None, :] * mn[None, :, b, :]
+        dd = (d_w[None, :, b] * d_x[:, None, b]).astype(np.float32)
+        dm = (dmin_w[None, :, b] * d_x[:, None, b]).astype(np.float32)
+        for j0, j1 in ([(0, 2), (2, 4), (4, 6), (6, 8)] if per_pair else [(0, 8)]):
+            acc = fma32(I[..., j0:j1].sum(-1).astype(np.int32).astype(np.float32), dd, acc)
+            accm = fma32(Mn[..., j0:j1].sum(-1).astype(np.int32).astype(np.float32), dm, accm)
+    return (acc - accm).astype(np.float32)
+
+
+def matmul_q6_k_ref(unpacked, d_x, xq, tiled: bool):
+    """Q6_K against q8_K rows. vec_dot (ggml_vec_dot_q6_K_q8_K, AVX2): per super-block 8 int lanes,
+    lane l = offsets 4l..4l+3 of every 32-chunk times the chunk half's scale, minus 32 *
+    (sc bsum16) of 16-groups 2l and 2l+1; fma(d_x d_w, lane, acc); hsum at the end. tiled
+    (tiled_run_microtile_avx2<16, false, 32, true>): S = sum_s sc_s sum (q - 32) x per super-block,
+    out = fma(d_w * float(S), d_x, out)."""
+    d_w, q, sc = unpacked
+    M, K = xq.shape
+    N, nb = q.shape[0], K // 256
+    x = np.asarray(xq, np.int64).reshape(M, nb, 256)
+    acc = np.zeros((M, N) if tiled else (M, N, 8), np.float32)
+    for b in range(nb):
+        if tiled:
+            prod = (q[None, :, b, :].astype(np.int64) - 32) * x[:, None, b, :]
+            S = (prod.reshape(M, N, 16, 16).sum(-1) * sc[None, :, b, :]).sum(-1)
+            res = (d_w[None, :, b] * S.astype(np.float32)).astype(np.float32)
+            acc = fma32(res, np.broadcast_to(d_x[:, None, b], res.shape), acc)
+        else:
+            prod = q[None, :, b, :].astype(np.int64) * x[:, None, b, :] * np.repeat(sc[:, b, :], 16, -1)[None]
+            lane = prod.reshape(M, N, 8, 8, 4).sum(-1).sum(2)
+            bs16 = x[:, b, :].reshape(M, 16, 16).sum(-1)
+            sub = 32 * (sc[None, :, b, :] * bs16[:, None, :]).reshape(M, N, 8, 2).sum(-1)
+            d = (d_x[:, None, b] * d_w[None, :, b]).astype(np.float32)
+            acc = fma32(d[..., None], (lane - sub).astype(np.int32).astype(np.float32), acc)
+    return acc if tiled else hsum8_ref(acc)
 
 
 def random_quantized(ggml_type: int, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:

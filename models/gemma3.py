@@ -8,7 +8,8 @@
   iff il % 6 < 5), window `gemma3.attention.sliding_window`; local layers use rope base 10000
   (rope_freq_base_train_swa), global ones `gemma3.rope.freq_base`;
 - attention scale 1/sqrt(key_length) (query_pre_attn_scalar = head_dim), except the 27B
-  (62 layers) which uses 1/sqrt(n_embd / n_head);
+  (62 layers) which uses 1/sqrt(n_embd / n_head), applied to Q before attention (ggml_scale),
+  not to the scores;
 - output tied to token_embd when the GGUF has no output.weight.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Gemma3Config(DecoderConfig):
         c = cls.common_from_gguf(g)
         pre_attn = c["n_embd"] / c["n_head"] if c["n_layer"] == 62 else c["head_dim"]
         return cls(**c, rope_neox=True, qk_norm=True, post_norms=True, activation="geglu_tanh",
-                   embed_scale=math.sqrt(c["n_embd"]), attn_scale=1.0 / math.sqrt(pre_attn),
+                   embed_scale=math.sqrt(c["n_embd"]), attn_scale=1.0 / math.sqrt(pre_attn), scale_q=True,
                    sliding_window=int(g.arch_get("attention.sliding_window") or 0),
                    swa_pattern=SWA_PATTERN,
                    rope_base_local=float(g.arch_get("rope.freq_base_swa") or ROPE_BASE_LOCAL))

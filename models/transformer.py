@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from kernels.cpu.matmul import TILE16_TYPES, VEC_DOT_KIND, Int8Rows
+from kernels.cpu.qdot import EXACT_TYPES, VEC_DOT_KIND, Int8Rows, exact_layout, run_arrays
 from kernels.cpu import (QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, rope_table, swiglu,
                          write_kv)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
@@ -45,6 +45,7 @@ class DecoderConfig:
     activation: str = "swiglu"            # swiglu | geglu_tanh
     embed_scale: float = 1.0
     attn_scale: float = 0.0               # 0 -> 1/sqrt(head_dim)
+    scale_q: bool = False                 # multiply Q by attn_scale before attention (gemma3), not the scores
     sliding_window: int = 0
     swa_pattern: int = 0                  # every swa_pattern-th layer is global, the rest local; 0 = none
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
@@ -89,8 +90,8 @@ class DecoderConfig:
 class Weights:
     """Tensors of a memory-mapped GGUF by name: matrices as QMatrix (kept quantized), vectors as float32.
 
-    With `cache_dir`, the decode kernels' repacked layout of each matrix is saved there on the first
-    load and memory-mapped back on later ones (repacking takes about a second for a 0.5B model)."""
+    With `cache_dir`, the exact kernels' repacked layouts (8 rows interleaved, qdot) are saved there
+    on the first load and memory-mapped back on later ones; Q6_K is read in place."""
 
     def __init__(self, g: GGUFFile, cache_dir: Path | None = None):
         self.g = g
@@ -100,25 +101,51 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self.g.tensors
 
-    def matrix(self, name: str) -> QMatrix:
+    def _info(self, name: str):
         info = self.g.tensors.get(name)
         if info is None:
             raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
-        k, n = info.shape[0], int(np.prod(info.shape[1:]))  # ggml (K, N): W has N rows of K
-        if self.cache_dir is None or info.ggml_type not in TILE16_TYPES:
-            return QMatrix(self._data[name], info.ggml_type, n, k)
-        path = self.cache_dir / f"{name}.tiles.npy"
+        return info, info.shape[0], int(np.prod(info.shape[1:]))    # ggml (K, N): W has N rows of K
+
+    def _cached_layout(self, key: str, build) -> np.ndarray:
+        """An exact layout from the cache folder (memory-mapped), built and saved on first use."""
+        if self.cache_dir is None:
+            return build()
+        path = self.cache_dir / f"{key}.x8.npy"
         if path.exists():
             try:
-                return QMatrix(self._data[name], info.ggml_type, n, k, tiles=np.load(path, mmap_mode="r"))
+                return np.load(path, mmap_mode="r")
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)                 # a damaged cache entry is rebuilt
-        matrix = QMatrix(self._data[name], info.ggml_type, n, k)
+        layout = build()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, matrix.tiles)
+        np.save(tmp, layout)
         os.replace(tmp, path)
-        return matrix
+        return np.load(path, mmap_mode="r")
+
+    def matrix(self, name: str, build_exact: bool = True) -> QMatrix:
+        info, k, n = self._info(name)
+        if not build_exact or info.ggml_type not in REPACKED_TYPES or (info.ggml_type == 12 and n % 8):
+            return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=build_exact)
+        layout = self._cached_layout(name, lambda: exact_layout(self._data[name], info.ggml_type, n, k))
+        return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
+
+    def fusable(self, names: Sequence[str]) -> bool:
+        """Can these matrices (one input) run as one exact matmul over their concatenated rows?"""
+        infos = [self._info(name) for name in names]
+        t = infos[0][0].ggml_type
+        return (len(names) > 1 and t in EXACT_TYPES and all(i.ggml_type == t and kk == infos[0][1] for i, kk, _ in infos)
+                and (t == 14 or all(nn % 8 == 0 for _, _, nn in infos)))
+
+    def fused(self, names: Sequence[str]) -> QMatrix:
+        """One QMatrix (exact layout only) whose rows are the rows of `names` in order."""
+        infos = [self._info(name) for name in names]
+        t, k = infos[0][0].ggml_type, infos[0][1]
+        n = sum(nn for _, _, nn in infos)
+        layout = self._cached_layout("+".join(names), lambda: np.concatenate(
+            [exact_layout(self._data[name], t, nn, k) for name, (_, _, nn) in zip(names, infos)]))
+        return QMatrix(None, t, n, k, exact=layout)
 
     def vector(self, name: str) -> np.ndarray:
         if name not in self.g.tensors:
@@ -129,6 +156,10 @@ class Weights:
         return self.vector(name) if name in self else None
 
 
+# The exact kernels' layouts that are repacks (worth caching on disk); Q6_K reads the GGUF rows.
+REPACKED_TYPES = frozenset({6, 8, 12}) & EXACT_TYPES
+
+
 class KVView(Protocol):
     """What forward needs of a sequence's paged cache (core.kv_cache.Sequence provides it)."""
     k_cache: Sequence[np.ndarray]     # per layer (n_blocks, block_size, Hkv, hd) float32
@@ -136,65 +167,113 @@ class KVView(Protocol):
     block_table: np.ndarray           # int32, logical block -> physical block
 
 
-# Runs of at most this many tokens go through the one-token (decode) attention kernel row by row,
-# and, for weight types without int8 tile kernels, through gemv row by row:
-# - verifying speculative tokens then gives bit-for-bit the logits plain decoding would (the int8
-#   tile matmuls give every row its one-row numbers at any length);
-# - row-by-row gemv beats dequantize + GEMM below about 64 rows.
+# Float path (weight types without exact int8 kernels): segments of at most this many rows go
+# through gemv row by row (below ~64 rows that beats dequantize + GEMM), longer ones through GEMM.
 SMALL_BATCH = 64
 
 
 # (kv: KVView, start_pos: int, n_tokens: int[, decode_rows: bool]): one sequence's run of new tokens.
-# decode_rows: attend row by row with the one-token (split-KV) kernel, giving each row exactly the
-# numbers a decode step gives it (speculative checks); default: only for a single token. Otherwise
-# the rows go through the tiled prefill kernel, whose rows do not depend on how a prompt is chunked.
+# decode_rows: give every row exactly the numbers a decode step would give it (speculative checks,
+# and by default a single token); otherwise the rows are a batch as llama.cpp would evaluate that
+# sequence's prompt chunk.
 Segment = tuple
 
 
-def _row_groups(segments: Sequence[Segment]) -> list[tuple[int, int, bool]]:
-    """Matmul spans (row0, row1, use_gemm) over the batch's rows: consecutive short segments share
-    a row-by-row span; a segment longer than SMALL_BATCH gets its own GEMM. So every sequence's rows
-    go through the same kernels, with the same numbers, whatever else is in the batch."""
-    groups: list[tuple[int, int, bool]] = []
-    row = 0
-    for _, _, n, _ in segments:
-        gemm = n > SMALL_BATCH
-        if groups and not gemm and not groups[-1][2]:
-            groups[-1] = (groups[-1][0], row + n, False)
-        else:
-            groups.append((row, row + n, gemm))
-        row += n
-    return groups
+@dataclass(frozen=True)
+class RowPlan:
+    """How a forward pass's rows go through the matmuls, per segment:
+    spans (row0, row1, use_gemm) for the float path, and runs (row0, n, batched) for the exact
+    int8 path (qdot.matmul: a batched run gets llama.cpp's arithmetic for a batch of n rows, a
+    one-row run each row's single-token arithmetic). Either way a sequence's rows get the same
+    numbers whatever else shares the pass."""
+    spans: tuple
+    runs: tuple             # as qdot.run_arrays gives them
+
+    @staticmethod
+    def of(segments: Sequence[Segment]) -> "RowPlan":
+        spans: list[tuple[int, int, bool]] = []
+        runs: list[tuple[int, int, bool]] = []
+        row = 0
+        for _, _, n, decode_rows in segments:
+            gemm = n > SMALL_BATCH
+            if spans and not gemm and not spans[-1][2]:
+                spans[-1] = (spans[-1][0], row + n, False)
+            else:
+                spans.append((row, row + n, gemm))
+            runs.append((row, n, not decode_rows))
+            row += n
+        return RowPlan(tuple(spans), run_arrays(runs))
 
 
-def _mm(w: QMatrix, x: np.ndarray, groups: list[tuple[int, int, bool]], llama_rounding: bool,
-        shared: dict | None = None) -> np.ndarray:
-    """x (T, K) -> (T, N).
+def _mm(w: QMatrix, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict | None = None,
+        n_out: int | None = None) -> np.ndarray:
+    """x (T, K) -> (T, N) (or the first n_out columns).
 
-    With llama_rounding (the default) x is quantized the way llama.cpp's matmul quantizes it
-    (q8_0 / q8_K), so greedy output tracks llama.cpp's token for token. Types with int8 tile
-    kernels then run all T rows in one pass that reads W once (each row's result independent of
-    the others); `shared` keeps the quantized x for the next matrix that reads the same x.
-    Otherwise, row-by-row spans read W once per row (gemv, W stays in cache after the first) and
-    GEMM spans dequantize W tile by tile."""
-    if llama_rounding and w.tiles is not None:
+    With llama_rounding (the default) and an exact int8 kernel for w's type, x is quantized as
+    llama.cpp's matmul quantizes it (q8_0 / q8_K) and the product is llama.cpp's, bit for bit, in
+    one pass over W; `shared` keeps the quantized x for the next matrix that reads the same x.
+    Other types: with llama_rounding x is first rounded to what llama.cpp's matmul effectively
+    uses; row-by-row spans read W once per row (gemv), GEMM spans dequantize W tile by tile."""
+    if llama_rounding and w.exact is not None:
         kind = VEC_DOT_KIND[w.ggml_type]
         rows = shared.get(kind) if shared is not None else None
         if rows is None:
             rows = Int8Rows(np.ascontiguousarray(x, np.float32), kind)
             if shared is not None:
                 shared[kind] = rows
-        return w.matmul_int8(rows)
+        return w.matmul_int8(rows, n_out, plan.runs)
     if llama_rounding:
         x = round_like_llama_cpp(x, w.ggml_type)
     out = np.empty((x.shape[0], w.n_rows), np.float32)
-    for r0, r1, gemm in groups:
+    for r0, r1, gemm in plan.spans:
         if gemm:
             out[r0:r1] = w.gemm(x[r0:r1])
         else:
             for r in range(r0, r1):
                 out[r] = w.gemv(x[r])
-    return out
+    return out if n_out is None else out[:, :n_out]
+
+
+class Projections:
+    """Matrices that read the same input (q, k, v; gate, up). On the exact path consecutive members
+    of one weight type run as one matmul over their concatenated rows: one pass over the weights,
+    one parallel region, one quantized x (each row's numbers are its own, so the split is exact).
+    The float path takes the members one by one."""
+
+    def __init__(self, w: Weights, names: Sequence[str]):
+        self.parts: list[tuple[QMatrix, list[int]]] = []       # (matrix, member indices)
+        i = 0
+        while i < len(names):
+            j = len(names)
+            while j > i + 1 and not w.fusable(names[i:j]):
+                j -= 1
+            self.parts.append((w.fused(names[i:j]) if j > i + 1 else w.matrix(names[i]), list(range(i, j))))
+            i = j
+        # the members themselves, for the float path (their exact layout is the group's)
+        self.members = [m if len(idx) == 1 else None for m, idx in self.parts for _ in idx]
+        for (m, idx) in self.parts:
+            if len(idx) > 1:
+                for k in idx:
+                    self.members[k] = w.matrix(names[k], build_exact=False)
+
+    def __call__(self, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict) -> list[np.ndarray]:
+        if llama_rounding:
+            outs = []
+            for m, idx in self.parts:
+                if len(idx) == 1:
+                    outs.append(_mm(m, x, plan, True, shared))
+                    continue
+                y = _mm(m, x, plan, True, shared)                              # (T, sum of members' rows)
+                c0 = 0
+                for k in idx:
+                    n = self.members[k].n_rows
+                    outs.append(y[:, c0:c0 + n])
+                    c0 += n
+            return outs
+        return [_mm(m, x, plan, False, shared) for m in self.members]
+
+    def matrices(self):
+        yield from (m for m, _ in self.parts)
 
 
 class Block:
@@ -205,27 +284,30 @@ class Block:
         self.cfg, self.il = cfg, il
         self.window, self.rope_base = cfg.layer_window[il], cfg.layer_rope_base[il]
         self.attn_norm = w.vector(p + "attn_norm.weight")
-        self.wq, self.wk, self.wv = (w.matrix(p + f"attn_{n}.weight") for n in "qkv")
+        self.qkv = Projections(w, [p + f"attn_{n}.weight" for n in "qkv"])
+        self.wq, self.wk, self.wv = self.qkv.members
         self.wo = w.matrix(p + "attn_output.weight")
         self.bq, self.bk, self.bv = (w.maybe_vector(p + f"attn_{n}.bias") for n in "qkv")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
         self.post_attn_norm = w.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
-        self.w_gate, self.w_up, self.w_down = (w.matrix(p + f"ffn_{n}.weight") for n in ("gate", "up", "down"))
+        self.gate_up = Projections(w, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        self.w_gate, self.w_up = self.gate_up.members
+        self.w_down = w.matrix(p + "ffn_down.weight")
         self.post_ffn_norm = w.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
         self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
         self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
         self.softmax = "llama.cpp"       # attention's softmax: "llama.cpp" or "online" (flash)
 
-    def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], groups,
+    def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], plan: RowPlan,
                   rope_tables: dict) -> np.ndarray:
         cfg = self.cfg
         T, hd = x.shape[0], cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.norm_eps)                      # (T, D)
         shared: dict = {}                                                  # h quantized once for q, k, v
-        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding, shared if a is h else None)  # noqa: E731
-        q, k, v = mm(self.wq, h), mm(self.wk, h), mm(self.wv, h)          # (T, Hq*hd), (T, Hkv*hd) x2
+        mm = lambda w, a: _mm(w, a, plan, self.llama_rounding, shared if a is h else None)  # noqa: E731
+        q, k, v = self.qkv(h, plan, self.llama_rounding, shared)           # (T, Hq*hd), (T, Hkv*hd) x2
         if self.bq is not None:
             q += self.bq
             k += self.bk
@@ -241,6 +323,10 @@ class Block:
             table = rope_tables[self.rope_base] = rope_table(positions, self.rope_base, cfg.n_rot)
         q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hq, hd)
         k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hkv, hd)
+        scale = cfg.attn_scale
+        if cfg.scale_q:          # gemma3's graph scales Q (float32) before attention: its f16 copy
+            q = q * np.float32(scale)   # then rounds the scaled values (small ones land in f16's subnormals)
+            scale = 1.0
         if self.llama_rounding:  # llama.cpp multiplies K by an f16 copy of Q (K and V: the f16 cache)
             q = round_to_f16(q)
         o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
@@ -251,31 +337,39 @@ class Block:
             write_kv(kc, vc, table, start_pos, np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows]))
             if decode_rows:  # the one-token kernel row by row: a speculative check sees decode's numbers
                 for i in range(n):
-                    o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, cfg.attn_scale,
+                    o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, scale,
                                                   self.window, softmax=self.softmax)
             else:
                 o[rows] = attention_prefill(np.ascontiguousarray(q[rows]), kc, vc, table, start_pos,
-                                            cfg.attn_scale, self.window, softmax=self.softmax)
+                                            scale, self.window, softmax=self.softmax)
             row += n
         o = mm(self.wo, o.reshape(T, cfg.n_head * hd))                    # (T, D)
         if self.post_attn_norm is not None:
             o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
         return o
 
-    def ffn(self, x: np.ndarray, groups) -> np.ndarray:
+    def ffn(self, x: np.ndarray, plan: RowPlan) -> np.ndarray:
         h = rms_norm(x, self.ffn_norm, self.cfg.norm_eps)                  # (T, D)
         shared: dict = {}                                                  # h quantized once for gate, up
-        mm = lambda w, a: _mm(w, a, groups, self.llama_rounding, shared if a is h else None)  # noqa: E731
-        a = self.act(mm(self.w_gate, h), mm(self.w_up, h))                # (T, n_ff)
+        mm = lambda w, a: _mm(w, a, plan, self.llama_rounding, shared if a is h else None)  # noqa: E731
+        gate, up = self.gate_up(h, plan, self.llama_rounding, shared)
+        a = self.act(gate, up)                                             # (T, n_ff)
         o = mm(self.w_down, a)                                            # (T, D)
         if self.post_ffn_norm is not None:
             o = rms_norm(o, self.post_ffn_norm, self.cfg.norm_eps)
         return o
 
-    def __call__(self, x, positions, segments, groups, rope_tables: dict):
-        """rope_tables: the forward pass's rope_table per rope base, filled by the first layer using it."""
-        x = x + self.attention(x, positions, segments, groups, rope_tables)
-        return x + self.ffn(x, groups)
+    def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
+        """rope_tables: the forward pass's rope_table per rope base, filled by the first layer using it.
+        keep: (row indices, their RowPlan): after attention only these rows go on (the last layer,
+        as llama.cpp's graph keeps only the rows whose logits are wanted, so its FFN sees a batch
+        of that size)."""
+        a = self.attention(x, positions, segments, plan, rope_tables)
+        if keep is not None:
+            rows, plan = keep
+            x, a = x[rows], a[rows]
+        x = x + a
+        return x + self.ffn(x, plan)
 
 
 class Decoder:
@@ -314,7 +408,10 @@ class Decoder:
         if self.output is not self.tok_embd:
             yield self.output
         for b in self.blocks:
-            yield from (b.wq, b.wk, b.wv, b.wo, b.w_gate, b.w_up, b.w_down)
+            yield from b.qkv.matrices()
+            yield b.wo
+            yield from b.gate_up.matrices()
+            yield b.w_down
 
     def forward(self, tokens: np.ndarray, start_pos: int, kv: KVView, all_logits: bool = False,
                 decode_rows: bool | None = None, vocab_limit: int | None = None) -> np.ndarray:
@@ -322,10 +419,8 @@ class Decoder:
         logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment;
         vocab_limit: logits of the first vocab_limit tokens only."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        x = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)])
-        if not all_logits:
-            x = x[-1:]
-        logits = self._logits(x, vocab_limit)                             # (T or 1, n_vocab)
+        x, plan = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)], all_rows=all_logits)
+        logits = self._logits(x, plan, vocab_limit)                       # (T or 1, n_vocab)
         return logits if all_logits else logits[0]
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
@@ -333,35 +428,39 @@ class Decoder:
         segment (kv, start_pos, n_tokens) with its slots already held. Returns (len(segments), n_vocab),
         each segment's last-token logits, equal to what forward() gives for it alone."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        x = self._hidden(tokens, segments)
-        return self._logits(x[np.cumsum([seg[2] for seg in segments]) - 1])
+        x, plan = self._hidden(tokens, segments, all_rows=False)
+        return self._logits(x, plan)
 
-    def _hidden(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
-        """Embedding and every block: (T,) -> (T, D)."""
+    def _hidden(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool) -> tuple[np.ndarray, RowPlan]:
+        """Embedding and every block: (T,) -> the hidden rows whose logits are wanted (every row, or
+        each segment's last), with their RowPlan. As in llama.cpp's graph, the last layer keeps only
+        those rows after its attention."""
         segments = [(seg[0], int(seg[1]), int(seg[2]),
                      bool(seg[3]) if len(seg) > 3 and seg[3] is not None else int(seg[2]) == 1)
                     for seg in segments]
         if sum(n for _, _, n, _ in segments) != tokens.shape[0] or any(n < 1 for _, _, n, _ in segments):
             raise ValueError("segments must cover the tokens, each with at least one")
         positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for _, s, n, _ in segments])
-        groups = _row_groups(segments)
+        plan = RowPlan.of(segments)
+        ends = np.cumsum([n for _, _, n, _ in segments])
+        if all_rows:
+            keep = (np.arange(tokens.shape[0]), plan)
+        else:
+            last = [(kv, s + n - 1, 1, decode_rows) for kv, s, n, decode_rows in segments]
+            keep = (ends - 1, RowPlan.of(last))
         x = self.tok_embd.rows(tokens)                                    # (T, D)
         if self.cfg.embed_scale != 1.0:
             x *= np.float32(self.cfg.embed_scale)
         rope_tables: dict = {}
-        for block in self.blocks:
-            x = block(x, positions, segments, groups, rope_tables)
-        return x
+        for il, block in enumerate(self.blocks):
+            x = block(x, positions, segments, plan, rope_tables, keep if il == len(self.blocks) - 1 else None)
+        return x, keep[1]
 
-    def _logits(self, x: np.ndarray, vocab_limit: int | None = None) -> np.ndarray:
+    def _logits(self, x: np.ndarray, plan: RowPlan, vocab_limit: int | None = None) -> np.ndarray:
         """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens
         only (a draft model; the output matrix is the largest one)."""
         x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
-        if vocab_limit is not None and self.llama_rounding and self.output.tiles is not None:
-            rows = Int8Rows(np.ascontiguousarray(x, np.float32), VEC_DOT_KIND[self.output.ggml_type])
-            return self.output.matmul_int8(rows, vocab_limit)
-        logits = _mm(self.output, x, [(0, x.shape[0], x.shape[0] > SMALL_BATCH)], self.llama_rounding)
-        return logits if vocab_limit is None else logits[:, :vocab_limit]
+        return _mm(self.output, x, plan, self.llama_rounding, n_out=vocab_limit)
 
 
 def load_model(g: GGUFFile, progress=None, cache_dir: Path | None = None) -> Decoder:

@@ -1,22 +1,21 @@
-"""Tiled (flash) attention over a paged KV cache, numba.
+"""Attention over a paged KV cache, numba.
 
 Cache per layer: k_cache, v_cache (n_blocks, block_size, n_kv_heads, head_dim) float16, as
-llama.cpp keeps K and V (the kernels see uint16 bits, numba has no float16, and widen to float32
-on load: all arithmetic is float32). A sequence's block_table maps logical block i (positions
-i*bs .. i*bs+bs-1) to a physical block. Key j is visible to the query at position p iff j <= p and, with window > 0,
-p - j < window (llama.cpp's is_masked_swa masks p - j >= n_swa).
+llama.cpp keeps K and V (the kernels see uint16 bits, numba has no float16). A sequence's
+block_table maps logical block i (positions i*bs .. i*bs+bs-1) to a physical block. Key j is
+visible to the query at position p iff j <= p and, with window > 0, p - j < window (llama.cpp's
+is_masked_swa masks p - j >= n_swa).
 
-Both kernels process all query heads of one GQA group together so each K/V row is loaded
-once per group; the inner products run in the register-blocked micro-kernels of
-attention_tiles. Two softmaxes:
-- "llama.cpp" (the default): ggml's soft_max followed by its float16 matmul with V (llama.cpp
-  without flash attention): exact max, ggml_v_expf, the row sum in float64 of 16-key chunk sums,
-  and the probabilities normalised and rounded to float16 before they weight V. Greedy decoding
-  against llama.cpp is most sensitive to this rounding (gemma-3-270m: the first 32 greedy tokens
-  equal llama.cpp's on 4 of 11 test prompts, against 1 of 11 with probabilities in float32). It
-  needs each row's final max and sum before any probability weights V, so a prefill tile keeps
-  its rows' scores over all their keys (at most SCORES_BYTES_MAX; never the whole T x N matrix),
-  and decode takes three steps: the scores, the softmax, P@V.
+Two softmaxes:
+- "llama.cpp" (the default): llama.cpp's attention without flash attention, bit for bit (AVX2
+  build): the scores are float16 matrix products of K and the float16-rounded Q; ggml's soft_max
+  scales them, takes the exact max, ggml_v_expf, sums 8-key chunks (hsum_float_8) in float64 and
+  multiplies by float32(1/sum); the probabilities, rounded to float16, weight V in a second
+  float16 product. For a batch of queries both products follow tinyBLAS (8 lanes per output,
+  hsum at the end), for one query ggml_vec_dot_f16 (4 x 8 lanes, its own reduction); the inner
+  loops are in attention_avx2. A prefill tile keeps its rows' scores over all the keys they see
+  (at most SCORES_BYTES_MAX; never the whole T x N matrix), because each probability needs its
+  row's final max and sum before it can be rounded.
 - "online" (attention_online): flash attention and flash-decoding, a running max and sum per row
   and rescaled partial outputs, merged across splits by log-sum-exp; float32 probabilities.
 """
@@ -28,8 +27,9 @@ from numba import njit, prange
 
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
-from kernels.cpu.attention_tiles import dec_qk16, decode_pv, prefetch_rows, tile_pv, tile_scores, widen_rows16
 from kernels.cpu import ops
+from kernels.cpu.attention_avx2 import (tb_1x1_f16, tb_1x1_f32, tb_1x4_f16, tb_1x4_f32, tb_2x1_f16, tb_2x1_f32,
+                                        tb_2x4_f16, tb_2x4_f32, vd_dot, vd_pv_residue)
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin
 from kernels.cpu.quant import round_f16
 
@@ -65,160 +65,127 @@ def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
 
 
 # No fastmath here nor in any caller: numba compiles a function called from a fastmath function
-# with the caller's flags (measured: reassociated chunk sums), and these roundings are llama.cpp's.
-@njit(cache=True, error_model="numpy")
-def _softmax_f16(S, n, key0, m, inv):
-    """llama.cpp's softmax over the first n score rows of S (n, R) in place, for the R columns (query
-    rows) at once: S[j, i] (key key0 + j; -inf where masked) becomes float16(e * inv[i]) with
-    e = ggml_v_expf(S[j, i] - m[i]) and inv = float32(1 / sum), the sum in float64 of each 16-key
-    chunk's float32 sum (keys 16c..16c+15, in _mm512_reduce_add_ps's tree). So the probabilities are
-    normalised and rounded to float16 before they weight V, as ggml's soft_max followed by its f16
-    matmul with V does. m (R,) holds each row's max; a row that sees no key gets zeros. Every loop
-    runs along R without branches, so it vectorizes (ggml_expf(-inf) is 0)."""
-    R = S.shape[1]
-    m_ref = np.empty(R, np.float32)
-    for i in range(R):
-        m_ref[i] = m[i] if m[i] > -np.inf else np.float32(0.0)   # a row with nothing visible: all -inf
-    for j in range(n):
-        srow = S[j]
-        for i in range(R):
-            srow[i] = ggml_expf(srow[i] - m_ref[i])
-    tot = np.zeros(R, np.float64)
-    lane = np.zeros((16, R), np.float32)
-    for c in range(key0 - key0 % 16, key0 + n, 16):
-        for k in range(16):
-            j = c + k - key0
-            lk = lane[k]
-            if 0 <= j < n:
-                srow = S[j]
-                for i in range(R):
-                    lk[i] = srow[i]
+# with the caller's flags (measured: reassociated sums), and these roundings are llama.cpp's.
+@njit(cache=True, error_model="numpy", inline="always")
+def _softmax_row(S, i0, n, key0, lo, hi, scale):
+    """ggml's soft_max of one row in place: S[i0 : i0+n] holds the scores of keys key0 .. key0+n-1
+    (key0 % 8 == 0); keys outside [lo, hi] are masked. x = s * scale (-inf where masked), e =
+    ggml_expf(x - max), the sum in float64 of each 8-key chunk's hsum_float_8, then every entry
+    becomes float16(e * float32(1 / sum)) (the rounding of the float16 product that follows)."""
+    m = np.float32(-np.inf)
+    for jj in range(n):
+        j = key0 + jj
+        x = S[i0 + jj] * scale if lo <= j <= hi else np.float32(-np.inf)
+        S[i0 + jj] = x
+        m = max(m, x)
+    for jj in range(n):
+        S[i0 + jj] = ggml_expf(S[i0 + jj] - m)
+    tot = 0.0
+    for c in range(0, n, 8):
+        e = S[i0 + c:i0 + c + 8]
+        tot += np.float64(((e[4] + e[0]) + (e[6] + e[2])) + ((e[5] + e[1]) + (e[7] + e[3])))
+    inv = np.float32(1.0 / tot) if tot > 0 else np.float32(0.0)
+    for jj in range(n):
+        S[i0 + jj] = round_f16(S[i0 + jj] * inv)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _tile_scores(qbuf, R, hd, kf, kstride, head_off, block_table, bs, pos, lo_pos, k_lo, span, S):
+    """S[i, j - k_lo] = tinyBLAS dot of query row i and key j, for every key a row pair can see
+    (the rest of S stays garbage: _softmax_row masks it)."""
+    for i in range(0, R, 2):
+        pair = min(2, R - i)
+        j_lo = lo_pos[i]
+        j_hi = pos[i + pair - 1]                        # rows go up in position: the pair's last sees most
+        j = j_lo
+        while j <= j_hi:
+            off = j % bs
+            n = min(j_hi + 1 - j, bs - off)                 # keys of one cache block: constant stride
+            base = (block_table[j // bs] * bs + off) * kstride + head_off
+            k = 0
+            while k + 4 <= n:
+                if pair == 2:
+                    tb_2x4_f16(qbuf, i * hd, hd, kf, base + k * kstride, kstride, hd, S, i * span + j + k - k_lo, span)
+                else:
+                    tb_1x4_f16(qbuf, i * hd, hd, kf, base + k * kstride, kstride, hd, S, i * span + j + k - k_lo, span)
+                k += 4
+            while k < n:
+                if pair == 2:
+                    tb_2x1_f16(qbuf, i * hd, hd, kf, base + k * kstride, kstride, hd, S, i * span + j + k - k_lo, span)
+                else:
+                    tb_1x1_f16(qbuf, i * hd, hd, kf, base + k * kstride, kstride, hd, S, i * span + j + k - k_lo, span)
+                k += 1
+            j += n
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _tile_pv(S, R, span, vt, hd, pos, lo_pos, k_lo, obuf):
+    """obuf[i, e] = tinyBLAS dot of row i's probabilities and V^T row e over the 8-key chunks the
+    row pair sees (the other chunks hold zero probabilities: leaving them out is exact)."""
+    for i in range(0, R, 2):
+        pair = min(2, R - i)
+        c_lo = (lo_pos[i] - k_lo) // 8 * 8
+        c_hi = min(span, (pos[i + pair - 1] - k_lo) // 8 * 8 + 8)
+        L = c_hi - c_lo
+        e = 0
+        while e + 4 <= hd:
+            if pair == 2:
+                tb_2x4_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
             else:
-                for i in range(R):
-                    lk[i] = np.float32(0.0)
-        for i in range(R):
-            t0 = lane[0, i] + lane[8, i]
-            t1 = lane[1, i] + lane[9, i]
-            t2 = lane[2, i] + lane[10, i]
-            t3 = lane[3, i] + lane[11, i]
-            t4 = lane[4, i] + lane[12, i]
-            t5 = lane[5, i] + lane[13, i]
-            t6 = lane[6, i] + lane[14, i]
-            t7 = lane[7, i] + lane[15, i]
-            tot[i] += np.float64(((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)))
-    for i in range(R):
-        inv[i] = np.float32(1.0 / tot[i]) if tot[i] > 0 else np.float32(0.0)
-    for j in range(n):
-        srow = S[j]
-        for i in range(R):
-            srow[i] = round_f16(srow[i] * inv[i])
-
-
-@njit(cache=True, error_model="numpy", inline="always")  # no fastmath: see _softmax_f16
-def _attend_tile(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, pos_min, lo_max, n_keys_lo,
-                 n_keys_hi, scale, m, inv, acct, S, kbuf, vbuf):
-    """Prefill: R query rows over keys [n_keys_lo, n_keys_hi) with llama.cpp's softmax (_softmax_f16).
-
-    The R rows (positions x the GQA group, padded to a multiple of 16) are the vector lanes:
-    qt (hd, R) holds the queries, S (n_keys, R) every score of the tile (q.k, then times scale, as
-    ggml's soft_max scales), acct (hd, R) the output. Three passes: the scores (register-blocked micro-kernel, each loaded K element serving
-    16-64 rows) and each row's max; the softmax; P@V. kf/vf: the layer's float16 K/V cache (uint16
-    bits) flattened from (n_blocks, bs, Hkv, hd), so key (blk, off) of head kvh starts at
-    ((blk*bs + off)*Hkv + kvh)*hd and kstride = Hkv*hd; each block's rows are widened once into
-    kbuf/vbuf (bs*hd float32). pos/lo_pos (R,): a row at position p sees keys lo_pos <= j <= p
-    (padding rows: none); pos_min / lo_max: the least p and the largest lo_pos of the real rows.
-    """
-    hd, R = qt.shape
-    j0 = n_keys_lo
-    while j0 < n_keys_hi:
-        blk = block_table[j0 // bs]
-        off0 = j0 % bs
-        j1 = min(n_keys_hi, j0 - off0 + bs)
-        n = j1 - j0
-        base = (blk * bs + off0) * kstride + kvh * hd
-        if hd % 16 == 0:
-            widen_rows16(kf, base, kstride, n, hd, kbuf)
-        else:
-            for jj in range(n):
-                for e in range(hd):
-                    kbuf[jj * hd + e] = f16_value(kf[base + jj * kstride + e])
-        st = S[j0 - n_keys_lo:j1 - n_keys_lo]
-        tile_scores(qt, kbuf, 0, hd, st, n)
-        if j0 >= lo_max and j1 - 1 <= pos_min:      # every row sees every key of the block
-            for jj in range(n):
-                srow = st[jj]
-                for i in range(R):
-                    sv = srow[i] * scale
-                    srow[i] = sv
-                    m[i] = max(m[i], sv)
-        else:                                        # masked scores become -inf
-            for jj in range(n):
-                j = j0 + jj
-                srow = st[jj]
-                for i in range(R):
-                    sv = srow[i] * scale if (j <= pos[i] and j >= lo_pos[i]) else np.float32(-np.inf)
-                    srow[i] = sv
-                    m[i] = max(m[i], sv)
-        j0 = j1
-    _softmax_f16(S, n_keys_hi - n_keys_lo, n_keys_lo, m, inv)
-    j0 = n_keys_lo
-    while j0 < n_keys_hi:
-        blk = block_table[j0 // bs]
-        off0 = j0 % bs
-        j1 = min(n_keys_hi, j0 - off0 + bs)
-        n = j1 - j0
-        base = (blk * bs + off0) * kstride + kvh * hd
-        if hd % 16 == 0:
-            widen_rows16(vf, base, kstride, n, hd, vbuf)
-        else:
-            for jj in range(n):
-                for e in range(hd):
-                    vbuf[jj * hd + e] = f16_value(vf[base + jj * kstride + e])
-        tile_pv(S[j0 - n_keys_lo:j1 - n_keys_lo], vbuf, 0, hd, n, acct)
-        j0 = j1
+                tb_1x4_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+            e += 4
+        while e < hd:
+            if pair == 2:
+                tb_2x1_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+            else:
+                tb_1x1_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+            e += 1
 
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, t1, out):
-    """Query positions t0..t1-1 of kv head kvh's group: gather the rows, attend."""
+    """Query positions t0..t1-1 of kv head kvh's group (rows (t - t0) * G + g): scores, softmax and
+    P@V with llama.cpp's batched arithmetic. Each row's result depends only on its own scores."""
     T, Hq, hd = q.shape
     G = Hq // Hkv
     R = (t1 - t0) * G
-    Rp = (R + 15) // 16 * 16                # lanes: rows padded to whole vectors
-    qt = np.zeros((hd, Rp), np.float32)     # column i = (t - t0) * G + g
-    pos = np.full(Rp, -1, np.int64)         # padding rows see no key
-    lo_pos = np.zeros(Rp, np.int64)
+    qbuf = np.empty(R * hd, np.float32)
+    pos = np.empty(R, np.int64)
+    lo_pos = np.empty(R, np.int64)
     for t in range(t0, t1):
         for g in range(G):
             i = (t - t0) * G + g
             for e in range(hd):
-                qt[e, i] = q[t, kvh * G + g, e]
+                qbuf[i * hd + e] = q[t, kvh * G + g, e]
             pos[i] = q_start + t
             lo_pos[i] = max(0, q_start + t - window + 1) if window > 0 else 0
-    m = np.full(Rp, -np.inf, np.float32)
-    inv = np.empty(Rp, np.float32)
-    acct = np.zeros((hd, Rp), np.float32)
-    # keys from the block holding the tile's first visible key: every row then sees its keys
-    # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
-    # result does not depend on how the queries are chunked
-    key_lo = lo_pos[0] - lo_pos[0] % bs
-    S = np.empty((q_start + t1 - key_lo, Rp), np.float32)
-    kbuf = np.empty(bs * hd, np.float32)
-    vbuf = np.empty(bs * hd, np.float32)
-    _attend_tile(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, pos[0], lo_pos[R - 1],
-                 key_lo, q_start + t1, scale, m, inv, acct, S, kbuf, vbuf)
+    k_lo = lo_pos[0] - lo_pos[0] % 8                    # chunks of 8 keys from key 0, as llama.cpp sums them
+    k_hi = q_start + t1                                 # one past the last visible key
+    span = (k_hi - k_lo + 7) // 8 * 8
+    kstride = Hkv * hd
+    S = np.empty(R * span, np.float32)
+    _tile_scores(qbuf, R, hd, kf, kstride, kvh * hd, block_table, bs, pos, lo_pos, k_lo, span, S)
+    for i in range(R):
+        _softmax_row(S, i * span, span, k_lo, lo_pos[i], pos[i], scale)
+    vt = np.zeros(hd * span, np.float32)                # V^T of the span; keys past k_hi stay 0
+    for j in range(k_lo, k_hi):
+        base = (block_table[j // bs] * bs + j % bs) * kstride + kvh * hd
+        for e in range(hd):
+            vt[e * span + j - k_lo] = f16_value(vf[base + e])
+    obuf = np.empty(R * hd, np.float32)
+    _tile_pv(S, R, span, vt, hd, pos, lo_pos, k_lo, obuf)
     for t in range(t0, t1):
         for g in range(G):
             i = (t - t0) * G + g
             for e in range(hd):
-                out[t, kvh * G + g, e] = acct[e, i]
+                out[t, kvh * G + g, e] = obuf[i * hd + e]
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, paired, out):
     """paired: each work item takes query tiles p and n_tiles-1-p of one kv head. Under the causal
     mask a tile's cost grows with its position, so the threads' contiguous shares of the work
-    items then cost the same (one kv head's tiles in order left the last thread 1.4x the work)."""
+    items then cost the same."""
     T = q.shape[0]
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
@@ -291,7 +258,7 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
     q = np.ascontiguousarray(q, np.float32)
     _check_cache(q, k_cache, v_cache, block_table, q_start + q.shape[0])
     out = np.empty_like(q)
-    online = softmax == "online"
+    online = softmax == "online" or not exact_head_dim(q.shape[2])
     if q_tile <= 0:  # (the online kernel holds one block of scores at a time: no cap from n_keys)
         q_tile = _choose_q_tile(q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
                                 0 if online else q_start + q.shape[0])
@@ -307,134 +274,61 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _decode_scores(q, k_cache, block_table, lo, hi, chunk, S):
-    """Decode scores S[h, j - lo] = q[h] . K[j] for keys lo <= j < hi: work item (kv head, split)
-    takes the group's G query heads over keys [lo + split*chunk, ...). hd % 16 == 0: dec_qk16
-    (16 keys as lanes, products along head_dim, one shuffle reduction per head); else row dots."""
+def _decode_scores(q, k_cache, block_table, lo, hi, chunk, key0, S):
+    """Decode scores S[h, j - key0] = ggml_vec_dot_f16(q[h], K[j]) for keys lo <= j < hi; work item
+    (kv head, chunk of keys) takes the group's G query heads, so each K row is read once."""
     Hq, hd = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     kf = k_cache.reshape(-1)
+    qf = q.reshape(-1)
     kstride = Hkv * hd
     G = Hq // Hkv
     n_splits = -(-(hi - lo) // chunk)
     for w in prange(Hkv * n_splits):
         kvh = w // n_splits
-        sp = w % n_splits
-        qg = np.empty((G, hd), np.float32)
-        for g in range(G):
-            for e in range(hd):
-                qg[g, e] = q[kvh * G + g, e]
-        s = np.empty((G, 16), np.float32)
-        j0 = lo + sp * chunk
-        j_end = min(hi, j0 + chunk)
-        while j0 < j_end:
-            off0 = j0 % bs
-            j1 = min(j_end, j0 - off0 + bs, j0 + 16)
-            n = j1 - j0
-            base = (block_table[j0 // bs] * bs + off0) * kstride + kvh * hd
-            if hd % 16 == 0:
-                jp = j1 + 16  # prefetch two chunks ahead (in place, 3.5k keys: attention -14% vs none)
-                if jp < j_end:
-                    off1 = jp % bs
-                    n1 = min(j_end, jp - off1 + bs, jp + 16) - jp
-                    prefetch_rows(kf, (block_table[jp // bs] * bs + off1) * kstride + kvh * hd, kstride, n1, hd)
-                dec_qk16(qg, kf, base, kstride, n, s)
-            else:
-                for jj in range(n):
-                    for g in range(G):
-                        dot = np.float32(0.0)
-                        for e in range(hd):
-                            dot += qg[g, e] * f16_value(kf[base + jj * kstride + e])
-                        s[g, jj] = dot
+        j0 = lo + (w % n_splits) * chunk
+        for j in range(j0, min(hi, j0 + chunk)):
+            base = (block_table[j // bs] * bs + j % bs) * kstride + kvh * hd
             for g in range(G):
-                for jj in range(n):
-                    S[kvh * G + g, j0 - lo + jj] = s[g, jj]
-            j0 = j1
+                h = kvh * G + g
+                S[h, j - key0] = vd_dot(qf, h * hd, kf, base, hd)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _decode_pv(P, v_cache, block_table, lo, hi, chunk, o_part):
-    """o_part[h, split] = sum_j P[h, j - lo] * V[j] over the split's keys (P: float16-rounded
-    probabilities); work items as in _decode_scores."""
-    Hq, n_splits, hd = o_part.shape
-    bs, Hkv = v_cache.shape[1], v_cache.shape[2]
+def _decode_softmax(S, key0, lo, hi, scale):
+    """ggml's soft_max per head (row of S over keys key0.., key0 % 32 == 0; visible lo .. hi-1)."""
+    for h in prange(S.shape[0]):
+        _softmax_row(S[h], 0, S.shape[1], key0, lo, hi - 1, scale)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _decode_pv(P, v_cache, block_table, key0, hi, out):
+    """out[h] = ggml_vec_dot_f16 of the probabilities P[h] and each V column over the key cells:
+    key j feeds accumulator (j % 32) // 8, lane j % 8, chains in steps of 32 keys, then
+    GGML_F32x8_REDUCE. Key j's residue r = j % 32 is one chain per head dim (vd_pv_residue, head dims
+    in the vector lanes), and the 32 chains per dim are reduced in the same tree. Work items: (head,
+    64 head dims)."""
+    Hq, span = P.shape
+    bs, Hkv, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     vf = v_cache.reshape(-1)
     kstride = Hkv * hd
     G = Hq // Hkv
-    for w in prange(Hkv * n_splits):
-        kvh = w // n_splits
-        sp = w % n_splits
-        acc = np.zeros((G, hd), np.float32)
-        s = np.empty((G, 16), np.float32)
-        j0 = lo + sp * chunk
-        j_end = min(hi, j0 + chunk)
-        while j0 < j_end:
-            off0 = j0 % bs
-            j1 = min(j_end, j0 - off0 + bs, j0 + 16)
-            n = j1 - j0
-            base = (block_table[j0 // bs] * bs + off0) * kstride + kvh * hd
-            for g in range(G):
-                for jj in range(n):
-                    s[g, jj] = P[kvh * G + g, j0 - lo + jj]
-            if hd % 16 == 0:
-                jp = j1 + 16
-                if jp < j_end:
-                    off1 = jp % bs
-                    n1 = min(j_end, jp - off1 + bs, jp + 16) - jp
-                    prefetch_rows(vf, (block_table[jp // bs] * bs + off1) * kstride + kvh * hd, kstride, n1, hd)
-                decode_pv(s, vf, base, kstride, n, acc)
-            else:
-                for jj in range(n):
-                    for g in range(G):
-                        pv = s[g, jj]
-                        for e in range(hd):
-                            acc[g, e] += pv * f16_value(vf[base + jj * kstride + e])
-            j0 = j1
-        for g in range(G):
-            for e in range(hd):
-                o_part[kvh * G + g, sp, e] = acc[g, e]
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _decode_softmax(S, lo, scale):
-    """_softmax_f16 for decode, a head per row of S (Hq, n): scores of keys lo.. times scale become
-    float16(e * float32(1/sum)), e = ggml_v_expf(s - max), the sum in float64 of the float32 sums of
-    16-key chunks (keys 16c..16c+15, _mm512_reduce_add_ps's tree). Every key is visible."""
-    Hq, n = S.shape
-    for h in prange(Hq):
-        row = S[h]
-        m = np.float32(-np.inf)
-        for j in range(n):
-            v = row[j] * scale
-            row[j] = v
-            m = max(m, v)
-        for j in range(n):
-            row[j] = ggml_expf(row[j] - m)
-        tot = 0.0
-        lane = np.zeros(16, np.float32)
-        for c in range(lo - lo % 16, lo + n, 16):
-            for k in range(16):
-                j = c + k - lo
-                lane[k] = row[j] if 0 <= j < n else np.float32(0.0)
-            t0, t1, t2, t3 = lane[0] + lane[8], lane[1] + lane[9], lane[2] + lane[10], lane[3] + lane[11]
-            t4, t5, t6, t7 = lane[4] + lane[12], lane[5] + lane[13], lane[6] + lane[14], lane[7] + lane[15]
-            u0, u1, u2, u3 = t0 + t4, t1 + t5, t2 + t6, t3 + t7
-            tot += np.float64((u0 + u2) + (u1 + u3))
-        inv = np.float32(1.0 / tot)
-        for j in range(n):
-            row[j] = round_f16(row[j] * inv)
-
-
-@njit(cache=True, error_model="numpy")
-def _sum_splits(o_part, out):
-    """The splits' partial outputs added in order (the probabilities are normalised already)."""
-    Hq, n_splits, hd = o_part.shape
-    for h in range(Hq):
-        for e in range(hd):
-            acc = o_part[h, 0, e]
-            for sp in range(1, n_splits):
-                acc += o_part[h, sp, e]
-            out[h, e] = acc
+    n_e = hd // 64
+    for w in prange(Hq * n_e):
+        h = w // n_e
+        e0 = (w % n_e) * 64
+        acc = np.empty(32 * 64, np.float32)
+        prow = P[h]
+        for r in range(32):
+            j = key0 + r
+            n_steps = (hi - j + 31) // 32 if j < hi else 0
+            vd_pv_residue(prow, r, vf, block_table, bs, (h // G) * hd, kstride, j, n_steps, e0, acc, r * 64)
+        for e in range(64):
+            x = np.empty(8, np.float32)
+            for lane in range(8):
+                x[lane] = (acc[lane * 64 + e] + acc[(16 + lane) * 64 + e]) + \
+                    (acc[(8 + lane) * 64 + e] + acc[(24 + lane) * 64 + e])
+            out[h, e0 + e] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]))
 
 
 _decode_scores_serial = serial_twin(_decode_scores)
@@ -449,15 +343,20 @@ def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:
     return min(want, most)
 
 
+def exact_head_dim(hd: int) -> bool:
+    """The llama.cpp-exact kernels take head dims that are a multiple of 64 (ggml's f16 dot needs 32,
+    our P@V kernel works 64 dims at a time); others run the online kernels."""
+    return hd % 64 == 0
+
+
 def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, window: int = 0,
                      n_splits: int = 0, softmax: str = "llama.cpp"):
-    """One query q (Hq, hd) at position n_kv-1 over cached keys [0, n_kv) -> (Hq, hd), split-KV.
+    """One query q (Hq, hd) at position n_kv-1 over cached keys [0, n_kv) -> (Hq, hd).
 
-    softmax "llama.cpp", in three steps: the scores, split across threads; llama.cpp's softmax
-    over all of them (probabilities normalised and rounded to float16, as ggml's soft_max and f16
-    matmul give them); P@V split across threads again, the partial outputs added. softmax
-    "online" (flash-decoding): each split keeps its own running max and sum, and the partial
-    outputs are merged by log-sum-exp."""
+    softmax "llama.cpp", in three steps: the scores, split across threads by keys; ggml's softmax
+    per head; P@V split across threads by heads and head dims (each output is one fixed chain
+    over the keys, as llama.cpp sums it). softmax "online" (flash-decoding): each split of the keys
+    keeps its own running max and sum, and the partial outputs are merged by log-sum-exp."""
     _check_softmax(softmax)
     q = np.ascontiguousarray(q, np.float32)
     _check_cache(q, k_cache, v_cache, block_table, n_kv)
@@ -473,13 +372,13 @@ def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, 
         n_splits = _choose_splits(n_keys, k_cache.shape[2], bs) if parallel else 1
     n_splits = max(1, min(int(n_splits), n_keys))
     chunk = -(-n_keys // n_splits)
-    if n_splits > 1 and chunk > bs:
-        chunk = -(-chunk // bs) * bs  # whole cache blocks per split
-    n_splits = -(-n_keys // chunk)
     table = np.ascontiguousarray(block_table, np.int32)
-    o_part = np.empty((Hq, n_splits, hd), np.float32)
     out = np.empty((Hq, hd), np.float32)
-    if softmax == "online":
+    if softmax == "online" or not exact_head_dim(hd):
+        if n_splits > 1 and chunk > bs:
+            chunk = -(-chunk // bs) * bs  # whole cache blocks per split
+        n_splits = -(-n_keys // chunk)
+        o_part = np.empty((Hq, n_splits, hd), np.float32)
         m_part = np.empty((Hq, n_splits), np.float32)
         l_part = np.empty((Hq, n_splits), np.float32)
         if hd % 16 == 0:
@@ -490,9 +389,9 @@ def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, 
                o_part, m_part, l_part)
         merge_splits(o_part, m_part, l_part, out)
         return out
-    S = np.empty((Hq, n_keys), np.float32)                # scores, then probabilities
-    (_decode_scores if parallel else _decode_scores_serial)(q, k_cache.view(np.uint16), table, lo, n_kv, chunk, S)
-    (_decode_softmax if parallel else _decode_softmax_serial)(S, lo, np.float32(scale))
-    (_decode_pv if parallel else _decode_pv_serial)(S, v_cache.view(np.uint16), table, lo, n_kv, chunk, o_part)
-    _sum_splits(o_part, out)
+    key0 = lo - lo % 32                                   # the 32-key steps of ggml's f16 dot start at key 0
+    S = np.empty((Hq, -(-(n_kv - key0) // 8) * 8), np.float32)   # scores, then probabilities
+    (_decode_scores if parallel else _decode_scores_serial)(q, k_cache.view(np.uint16), table, lo, n_kv, chunk, key0, S)
+    (_decode_softmax if parallel else _decode_softmax_serial)(S, key0, lo, n_kv, np.float32(scale))
+    (_decode_pv if parallel else _decode_pv_serial)(S, v_cache.view(np.uint16), table, key0, n_kv, out)
     return out

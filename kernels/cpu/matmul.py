@@ -1,20 +1,17 @@
 """Quantized matrix products: y = x @ W.T with W (N, K) in a GGML block format.
 
-int8 tile kernels (Q5_0, Q8_0, Q4_K, Q6_K on AVX-512 VNNI; the product path): W is repacked once
-into 16-row interleaved tiles and x is quantized per row exactly as llama.cpp's matmul quantizes
-it (q8_0 / q8_K). One pass over W serves all M rows of x: the weights of a block are decoded once
-and dotted with several rows (vpdpbusd), so decode (M = 1) reads W once per token and a prefill
-chunk, a speculative check or a continuous batch reads it once per step. Each row's result is
-independent of the others. Measured on the 2-core dev box: ~33 GB/s at M = 1 (DRAM-bound),
-~500-650 GOP/s at M >= 4 (compute-bound; the bf16 GEMM below reached ~150-340 GFLOP/s).
-
-float gemv (every type; exact float32 x): every packed block is read once per call, decoded in
-registers (float32 lanes) and dotted with x; rows are split across threads. Offsets and
-minimums are folded out of the inner loop with per-block sums of x:
-    sum_l (d*q_l - m) * x_l = d * sum_l q_l x_l - m * sum_l x_l.
-
-gemm (types without tile kernels, or exact float x): tiles of W are dequantized by numba,
-rounded to bf16 and multiplied by torch (oneDNN bf16 GEMM, fp32 accumulation, bf16 result).
+Two families:
+- the exact int8 path (kernels/cpu/qdot.py; Q5_0, Q8_0, Q4_K, Q6_K on AVX2 CPUs): x is quantized
+  as llama.cpp's matmul quantizes it (q8_0 / q8_K) and every output gets llama.cpp's float
+  operations, so the result equals llama.cpp's bit for bit. W stays as the GGUF stores it (Q4_K:
+  repacked 8 rows at a time, the same bytes); one pass over W serves all rows of x.
+- the float path (every type; exact float32 x): gemv reads every packed block once per call,
+  decodes it in registers and dots it with x, rows split across threads, offsets and minimums
+  folded out of the inner loop with per-block sums of x:
+      sum_l (d*q_l - m) * x_l = d * sum_l q_l x_l - m * sum_l x_l;
+  gemm dequantizes tiles of W, rounds them to bf16 and multiplies with torch (oneDNN).
+The models layer takes the exact path with llama.cpp rounding (its default) and the float path for
+the other types or with exact float32 activations.
 """
 from __future__ import annotations
 
@@ -22,11 +19,11 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.cpu.ops import serial_twin
+from kernels.cpu import qdot
+from kernels.cpu.qdot import EXACT_TYPES, Int8Rows
 from kernels.cpu.quant import (
     BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
-    HAS_VNNI, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, mad_nib, MR_Q4_K, MR_Q5_0, MR_Q6_K, MR_Q8_0,
-    q4_k_tile16, q4_k_tile16_mr, q5_0_tile16, q5_0_tile16_mr, q6_k_tile16, q6_k_tile16_mr, q8_0_tile16, q8_0_tile16_mr,
-    q5_0_tile_as_q8_0, TILE_B_Q8_0, repack, repack_q4_k_tiles, repack_q5_0_tiles, repack_q6_k_tiles, repack_q8_0_tiles, round_f16,
+    GGML_BLOCK, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, repack,
 )
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -354,284 +351,6 @@ def _gemv_q6_k(d, sc, ql, qh, x, sx16, sx32, out):
             out[r] = tot - np.float32(32.0) * off
 
 
-@njit(fastmath=FAST, cache=True, error_model="numpy")
-def _quantize_q8k(x, xq, dx, bsum32):
-    """x (K,) -> int8 xq with one scale dx per 256 elements (llama.cpp's q8_K idea), plus the
-    sums of xq over 32-element sub-blocks (for the Q4_K minimums)."""
-    for b in range(dx.shape[0]):
-        xb = x[b * 256:b * 256 + 256]
-        qb = xq[b * 256:b * 256 + 256]
-        amax = _F0
-        for i in range(256):
-            amax = max(amax, abs(xb[i]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(1.0) / d if amax > 0 else _F0
-        for i in range(256):
-            qb[i] = np.int8(np.rint(xb[i] * inv))
-        for j in range(8):
-            t = 0
-            for i in range(32):
-                t += qb[j * 32 + i]
-            bsum32[b * 8 + j] = t
-        dx[b] = d
-
-
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _gemv_q4_k_q8(d, dmin, sc, mn, qs, xq, dx, bsum32, out):
-    """Q4_K x int8 activations: integer dots per 32-element sub-block (VNNI), one float scale
-    per 256. ~1.3x the float kernel; adds x's int8 rounding error, as llama.cpp does."""
-    N, nb = d.shape
-    for ch in prange((N + ROWS - 1) // ROWS):
-        for r in range(ch * ROWS, min(N, ch * ROWS + ROWS)):
-            tot = _F0
-            for b in range(nb):
-                s = sc[r, b * 8:b * 8 + 8]
-                m = mn[r, b * 8:b * 8 + 8]
-                q = qs[r, b * 128:b * 128 + 128]
-                xb = xq[b * 256:b * 256 + 256]
-                isum = 0
-                for c in range(4):
-                    i0 = np.int32(0)
-                    i1 = np.int32(0)
-                    for l in range(32):
-                        i0 = mad_nib(i0, q[c * 32 + l], 0, xb[c * 64 + l])
-                        i1 = mad_nib(i1, q[c * 32 + l], 4, xb[c * 64 + 32 + l])
-                    isum += np.int32(s[2 * c]) * i0 + np.int32(s[2 * c + 1]) * i1
-                msum = 0
-                for j in range(8):
-                    msum += np.int32(m[j]) * bsum32[b * 8 + j]
-                tot += dx[b] * (d[r, b] * np.float32(isum) - dmin[r, b] * np.float32(msum))
-            out[r] = tot
-
-
-# --- int8-activation kernels on 16-row tiles (AVX-512 VNNI) ----------------------------------
-# The activation rows are quantized exactly as llama.cpp's CPU matmul quantizes them (its "vec_dot
-# type"): q8_0 (32-blocks, f16 scale) against Q5_0 / Q8_0, q8_K (256-blocks, f32 scale) against the
-# K-quants. The quantizers are compiled without fastmath so the rounding is bit-for-bit llama.cpp's
-# (tests compare them with activations.round_like_llama_cpp).
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _rint_small(v):
-    """Round half to even for |v| < 2**22, as llama.cpp's _mm256_round_ps / nearest_int do: adding
-    and taking away 1.5 * 2**23 leaves the float32 sum rounded to an integer (np.rint compiles to
-    a libm call per element; this vectorizes; the callers are not fastmath, so it stays)."""
-    return (v + np.float32(12582912.0)) - np.float32(12582912.0)
-
-
-@njit(fastmath=True, cache=True, error_model="numpy")
-def _absmax(x, m, lo, n):
-    """max |x[m, lo:lo+n]|: the same in any order (activations hold no NaN), so unlike the
-    rounding around it, it may be vectorized with fastmath."""
-    a = np.float32(0.0)
-    for i in range(lo, lo + n):
-        a = max(a, abs(x[m, i]))
-    return a
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_rows_q8_0(x, xq, dx, sxq, off):
-    """x (M, K) -> int8 xq (M, K), scales dx (M, K/32) (f16-rounded, as llama.cpp's quantize_row_q8_0)
-    and sxq = off * per-block sums of xq (the weight type's offset folded into the integer dot)."""
-    for m in prange(x.shape[0]):
-        for b in range(dx.shape[1]):
-            amax = _absmax(x, m, b * 32, 32)
-            idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            s = 0
-            for i in range(32):
-                q = np.int32(_rint_small(x[m, b * 32 + i] * idv))
-                xq[m, b * 32 + i] = q
-                s += q
-            dx[m, b] = round_f16(amax / np.float32(127.0))
-            sxq[m, b] = off * s
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_rows_q8_k(x, xq, dx, bsum32, bsum16):
-    """x (M, K) -> llama.cpp's q8_K (quantize_row_q8_K_ref): per 256 elements the signed value of
-    largest magnitude maps to -127; int8 xq (M, K), scales dx (M, K/256), bsum32 = per-32 sums of xq
-    (Q4_K minimums), bsum16 = -32 * per-16 sums (the Q6_K offset)."""
-    for m in prange(x.shape[0]):
-        for b in range(dx.shape[1]):
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for i in range(256):
-                v = x[m, b * 256 + i]
-                if abs(v) > amax:
-                    amax = abs(v)
-                    vmax = v
-            if amax == 0:
-                dx[m, b] = 0.0
-                for i in range(256):
-                    xq[m, b * 256 + i] = 0
-            else:
-                iscale = np.float32(-127.0) / vmax
-                for i in range(256):
-                    xq[m, b * 256 + i] = min(127, np.int32(np.rint(iscale * x[m, b * 256 + i])))
-                dx[m, b] = np.float32(1.0) / iscale
-            for j in range(16):
-                s = 0
-                for i in range(16):
-                    s += xq[m, b * 256 + 16 * j + i]
-                bsum16[m, b * 16 + j] = -32 * s
-            for j in range(8):
-                bsum32[m, b * 8 + j] = -(bsum16[m, b * 16 + 2 * j] + bsum16[m, b * 16 + 2 * j + 1]) // 32
-
-
-@njit(cache=True, error_model="numpy")
-def _on_grid(x, xq, dx, blk, tol):
-    """Is x (M, K) what its quantization (xq, dx per blk elements) dequantizes back to (within
-    tol * step)? An exact float32 x (set_llama_rounding(False), tests) is not: it takes the float kernels."""
-    for m in range(x.shape[0]):
-        for i in range(x.shape[1]):
-            d = dx[m, i // blk]
-            if abs(np.float32(xq[m, i]) * d - x[m, i]) > tol * abs(d):
-                return False
-    return True
-
-
-# From this many rows on, a Q5_0 tile of at most Q5_0_DECODE_ONCE_BYTES unpacked (15 KB for K = 896:
-# it stays in L1) is unpacked once into the Q8_0 layout and every row group runs the Q8_0 kernel on
-# it instead of unpacking the tile again: qwen's gate/up at pp512 ~400 -> ~560 GOP/s. Fewer rows
-# (decode, verify) read the packed tile. (The same for Q6_K lost: its unpacked tiles, 83 KB at
-# K = 4864, stream from L2; 508 -> 450 GOP/s.)
-Q5_0_DECODE_ONCE_ROWS = 16
-Q5_0_DECODE_ONCE_BYTES = 24 << 10
-
-
-# rows kernels: out (M, 16 * n_tiles) = int8 rows (xq32, dx, sums) x tiles; rows go MR_* at a
-# time (quant.MR_*) through one decode of each weight block, the remainder one by one. Four explicit
-# copies: numba's on-disk cache does not take a closure over the intrinsic.
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _rows_q5_0(tiles, xq32, dx, sums, out):
-    M = xq32.shape[0]
-    for t in prange(tiles.shape[0]):
-        m = 0
-        if M >= Q5_0_DECODE_ONCE_ROWS and dx.shape[1] * TILE_B_Q8_0 <= Q5_0_DECODE_ONCE_BYTES:  # same numbers
-            u8 = np.empty((1, dx.shape[1] * TILE_B_Q8_0), np.uint8)
-            q5_0_tile_as_q8_0(tiles, t, u8)
-            while m + MR_Q8_0 <= M:
-                q8_0_tile16_mr(u8, 0, m, xq32, dx, sums, out, t)
-                m += MR_Q8_0
-            while m < M:
-                q8_0_tile16(u8, 0, m, xq32, dx, sums, out, t)
-                m += 1
-        while m + MR_Q5_0 <= M:
-            q5_0_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
-            m += MR_Q5_0
-        while m < M:
-            q5_0_tile16(tiles, t, m, xq32, dx, sums, out, t)
-            m += 1
-
-
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _rows_q8_0(tiles, xq32, dx, sums, out):
-    M = xq32.shape[0]
-    for t in prange(tiles.shape[0]):
-        m = 0
-        while m + MR_Q8_0 <= M:
-            q8_0_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
-            m += MR_Q8_0
-        while m < M:
-            q8_0_tile16(tiles, t, m, xq32, dx, sums, out, t)
-            m += 1
-
-
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _rows_q4_k(tiles, xq32, dx, sums, out):
-    M = xq32.shape[0]
-    for t in prange(tiles.shape[0]):
-        m = 0
-        while m + MR_Q4_K <= M:
-            q4_k_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
-            m += MR_Q4_K
-        while m < M:
-            q4_k_tile16(tiles, t, m, xq32, dx, sums, out, t)
-            m += 1
-
-
-@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def _rows_q6_k(tiles, xq32, dx, sums, out):
-    M = xq32.shape[0]
-    for t in prange(tiles.shape[0]):
-        m = 0
-        while m + MR_Q6_K <= M:
-            q6_k_tile16_mr(tiles, t, m, xq32, dx, sums, out, t)
-            m += MR_Q6_K
-        while m < M:
-            q6_k_tile16(tiles, t, m, xq32, dx, sums, out, t)
-            m += 1
-
-
-_quantize_rows_q8_0_serial = serial_twin(_quantize_rows_q8_0)
-_quantize_rows_q8_k_serial = serial_twin(_quantize_rows_q8_k)
-
-
-def quantize_q8_0(x: np.ndarray, offset: int):
-    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/32), offset * block sums) as llama.cpp's q8_0."""
-    M, K = x.shape
-    xq = np.empty((M, K), np.int8)
-    dx = np.empty((M, K // 32), np.float32)
-    sums = np.empty((M, K // 32), np.int32)
-    (_quantize_rows_q8_0 if M > 1 else _quantize_rows_q8_0_serial)(x, xq, dx, sums, offset)
-    return xq, dx, sums
-
-
-def quantize_q8_k(x: np.ndarray):
-    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/256), bsum32, bsum16) as llama.cpp's q8_K."""
-    M, K = x.shape
-    xq = np.empty((M, K), np.int8)
-    dx = np.empty((M, K // 256), np.float32)
-    bsum32 = np.empty((M, K // 32), np.int32)
-    bsum16 = np.empty((M, K // 16), np.int32)
-    (_quantize_rows_q8_k if M > 1 else _quantize_rows_q8_k_serial)(x, xq, dx, bsum32, bsum16)
-    return xq, dx, bsum32, bsum16
-
-
-class Int8Rows:
-    """Activation rows quantized for one vec-dot type ("q8_0" or "q8_K"), shared by every matrix
-    that reads the same x (q/k/v, gate/up)."""
-
-    def __init__(self, x: np.ndarray, kind: str):
-        self.x, self.kind = x, kind
-        if kind == "q8_0":
-            self.xq, self.dx, self.sums = quantize_q8_0(x, 1)  # sums of xq; times the type's offset below
-        else:
-            self.xq, self.dx, self.bsum32, self.bsum16 = quantize_q8_k(x)
-
-    def args(self, ggml_type: int):
-        xq32 = self.xq.view(np.int32)
-        if ggml_type == Q5_0:
-            return xq32, self.dx, self.sums * np.int32(-16)
-        if ggml_type == Q8_0:
-            return xq32, self.dx, self.sums * np.int32(-128)
-        if ggml_type == Q4_K:
-            return xq32, self.dx, self.bsum32
-        return xq32, self.dx, self.bsum16
-
-    def on_grid(self) -> bool:
-        blk, tol = (32, 0.0) if self.kind == "q8_0" else (256, 1e-3)
-        return bool(_on_grid(self.x, self.xq, self.dx, blk, tol))
-
-
-# Types with a 16-row tile kernel (int8 activations; AVX-512 VNNI only): 2-5x the float kernels.
-# With llama.cpp rounding (the models layer's default) x is quantized as llama.cpp does and these
-# kernels always run; an exact float32 x takes them only where it is already on the int8 grid
-# (Q4_K takes int8 activations always, INT8_ACTIVATION_TYPES), else the float kernels.
-TILE16_TYPES = frozenset({Q5_0, Q8_0, Q4_K, Q6_K}) if HAS_VNNI else frozenset()
-VEC_DOT_KIND = {Q5_0: "q8_0", Q8_0: "q8_0", Q4_K: "q8_K", Q6_K: "q8_K"}
-_TILE16 = {
-    Q5_0: (repack_q5_0_tiles, _rows_q5_0, serial_twin(_rows_q5_0)),
-    Q8_0: (repack_q8_0_tiles, _rows_q8_0, serial_twin(_rows_q8_0)),
-    Q4_K: (repack_q4_k_tiles, _rows_q4_k, serial_twin(_rows_q4_k)),
-    Q6_K: (repack_q6_k_tiles, _rows_q6_k, serial_twin(_rows_q6_k)),
-}
-
-
-_gemv_q4_k_q8_serial = serial_twin(_gemv_q4_k_q8)
-# Types whose gemv quantizes x to int8 first (integer dot products); others stay float.
-INT8_ACTIVATION_TYPES = frozenset({Q4_K})
-
-
 _GEMV = {
     F32: _gemv_f32, F16: _gemv_f16, BF16: _gemv_bf16, Q4_0: _gemv_q4_0, Q4_1: _gemv_q4_1, Q5_0: _gemv_q5_0,
     Q5_1: _gemv_q5_1, Q8_0: _gemv_q8_0, Q4_K: _gemv_q4_k, Q5_K: _gemv_q5_k, Q6_K: _gemv_q6_k,
@@ -694,7 +413,8 @@ class QMatrix:
     # tiles shrink the GEMM N dimension and lose oneDNN efficiency.
     TILE_ELEMS = 1 << 22
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, tiles: np.ndarray | None = None):
+    def __init__(self, raw: np.ndarray | None, ggml_type: int, n_rows: int, n_cols: int,
+                 exact: np.ndarray | None = None, build_exact: bool = True):
         ggml_type = int(ggml_type)
         if ggml_type not in SUPPORTED_TYPES:
             raise NotImplementedError(f"ggml type {TYPE_NAMES.get(ggml_type, ggml_type)} is not supported")
@@ -702,26 +422,32 @@ class QMatrix:
         self.n_rows = int(n_rows)
         self.n_cols = int(n_cols)
         self.raw = raw
-        # gemv's own layout (TILE16_TYPES). Those types keep no second copy: gemm and rows() repack
-        # slices of the memory-mapped GGUF data on the fly, and the per-field layout the float
-        # fallback needs is only built if that fallback ever runs.
-        # `tiles` may come from an earlier load (the models layer caches them on disk).
-        if ggml_type not in TILE16_TYPES:
-            self.tiles = None
-        elif tiles is not None:
-            self.tiles = np.asarray(tiles)
+        # The exact kernels' layout (qdot.exact_layout): the GGUF rows themselves, or for Q4_K the
+        # x8 repack, which `exact` may bring from an earlier load (the models layer caches it on
+        # disk). The float kernels' per-field layout is only built if they ever run.
+        if raw is not None:                       # the GGUF data must hold exactly n_rows rows
+            blk, size = GGML_BLOCK[ggml_type]
+            row_bytes = self.n_cols // blk * size
+            n_bytes = np.asarray(raw).view(np.uint8).size
+            if self.n_cols % blk or n_bytes != self.n_rows * row_bytes:
+                raise ValueError(f"data holds {n_bytes} bytes, expected {self.n_rows} rows of {row_bytes}")
+        # build_exact=False: a member of a fused group (models.transformer.Projections), whose exact
+        # kernels run on the group's layout; raw=None: such a group, which has only that layout.
+        if exact is not None:
+            self.exact = np.asarray(exact)
+            if not 0 <= qdot.exact_rows(self.exact, ggml_type) - self.n_rows < 8:
+                raise ValueError(f"layout holds {qdot.exact_rows(self.exact, ggml_type)} rows, expected {self.n_rows}")
         else:
-            self.tiles = _TILE16[ggml_type][0](raw, self.n_cols)
-        self._packed = None if self.tiles is not None else repack(raw, ggml_type, self.n_cols)
-        n_rows_held = raw.shape[0] if raw.ndim == 2 else self.packed[0].shape[0]
-        if n_rows_held != self.n_rows:
-            raise ValueError(f"data holds {n_rows_held} rows, expected {self.n_rows}")
-        self.nbytes = int(self.tiles.nbytes if self.tiles is not None else sum(a.nbytes for a in self.packed))
+            self.exact = qdot.exact_layout(raw, ggml_type, self.n_rows, self.n_cols) if build_exact else None
+        self._packed = None                       # the float kernels' layout: built on first use
+        self.nbytes = int(self.exact.nbytes if self.exact is not None else np.asarray(raw).nbytes)
 
     @property
     def packed(self) -> tuple:
-        """The per-field layout (built on first use for TILE16 types)."""
+        """The float kernels' per-field layout (built on first use for the exact types)."""
         if self._packed is None:
+            if self.raw is None:
+                raise ValueError(f"{self!r} is a fused group: it has only the exact layout")
             self._packed = repack(self.raw, self.ggml_type, self.n_cols)
         return self._packed
 
@@ -740,19 +466,6 @@ class QMatrix:
 
     def _gemv_into(self, x: np.ndarray, out: np.ndarray) -> None:
         K = self.n_cols
-        if self.tiles is not None:
-            rows = Int8Rows(x[None], VEC_DOT_KIND[self.ggml_type])
-            if self.ggml_type in INT8_ACTIVATION_TYPES or rows.on_grid():
-                out[:] = self.matmul_int8(rows)[0]
-                return
-        if self.ggml_type in INT8_ACTIVATION_TYPES:
-            xq = np.empty(K, np.int8)
-            dx = np.empty(K // 256, np.float32)
-            bsum32 = np.empty(K // 32, np.int32)
-            _quantize_q8k(x, xq, dx, bsum32)
-            kernel = _gemv_q4_k_q8 if self.nbytes >= GEMV_PAR_MIN_BYTES else _gemv_q4_k_q8_serial
-            kernel(*self.packed, xq, dx, bsum32, out)
-            return
         if self.ggml_type in (F32, F16, BF16):
             sx16 = sx32 = _EMPTY
         else:
@@ -765,19 +478,14 @@ class QMatrix:
         else:
             kernel(*self.packed, x, sx16, sx32, out)
 
-    def matmul_int8(self, rows: Int8Rows, n_out: int | None = None) -> np.ndarray:
-        """Quantized activation rows (M, K) -> rows @ W.T (M, N) on the tile kernels (TILE16_TYPES):
-        W is read once for all M rows. With rows quantized from llama.cpp-rounded (or any) x this
-        is llama.cpp's integer matmul, and row m's result does not depend on the other rows.
-        n_out: only the first n_out rows of W (a draft model's truncated vocabulary)."""
-        _, par, ser = _TILE16[self.ggml_type]
-        xq32, dx, sums = rows.args(self.ggml_type)
-        M = xq32.shape[0]
-        n_out = self.n_rows if n_out is None else min(int(n_out), self.n_rows)
-        tiles = self.tiles[:-(-n_out // 16)]
-        out = np.empty((M, tiles.shape[0] * 16), np.float32)
-        (par if self.nbytes * M >= GEMV_PAR_MIN_BYTES else ser)(tiles, xq32, dx, sums, out)
-        return out if out.shape[1] == n_out else out[:, :n_out]
+    def matmul_int8(self, rows: Int8Rows, n_out: int | None = None, runs=None) -> np.ndarray:
+        """Quantized activation rows (M, K) -> rows @ W.T (M, N) on the exact kernels (only where
+        self.exact is set): llama.cpp's result bit for bit, W read once for all M rows.
+        n_out: only the first n_out rows of W (a draft model's truncated vocabulary); runs: see
+        qdot.matmul."""
+        if self.exact is None:
+            raise ValueError(f"{self!r} has no exact int8 kernel")
+        return qdot.matmul(self.exact, self.ggml_type, rows, self.n_rows if n_out is None else min(n_out, self.n_rows), runs)
 
     def gemv(self, x: np.ndarray) -> np.ndarray:
         """x (K,) -> x @ W.T (N,). Decode path, reads W once."""

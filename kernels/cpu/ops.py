@@ -104,21 +104,50 @@ _E_C5, _E_C4, _E_C3, _E_C2, _E_C1 = (_hexf("0x1.0e4020p-7"), _hexf("0x1.573e2ep-
                                      _hexf("0x1.fffdb6p-2"), _hexf("0x1.ffffecp-1"))
 
 
+@intrinsic
+def f32_bits(typingctx, x):
+    """The bits of float32 x as int32."""
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_of_bits(typingctx, i):
+    """The float32 with bits i (int32)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+_ONE_BITS = np.int32(0x3F800000)
+
+
 @njit(cache=True, error_model="numpy", inline="always")
 def ggml_expf(x):
-    """ggml_v_expf (the AVX-512 build of llama.cpp's vec.h) lane for lane: the same fused
-    multiply-adds in the same order, so SiLU and the softmax give llama.cpp's bits. _mm512_scalef_ps
-    (j * 2^n, one rounding) is two exact power-of-two steps, the second rounding only below 2^-126;
-    beyond |n| > 192 it saturates to 0 / inf like ggml. No branches: loops over it vectorize."""
+    """ggml_v_expf of llama.cpp's AVX2 build (ggml-cpu/vec.h, the ARM-derived routine) lane for lane:
+    the same fused multiply-adds, k = 2^n built in the exponent bits, fma(k, j, k); beyond |n| > 126
+    the two-factor scaling (s2 * j + s2) * s1, beyond 192 s1 * s1 (0 or inf). Branch-free selects,
+    so loops over it vectorize. exp(-inf) = 0, as the masked softmax needs."""
     z = fma32(x, _E_LOG2E, _E_R)
     n = z - _E_R
     b = fma32(-n, _E_LN2_LO, fma32(-n, _E_LN2_HI, x))
+    e = np.int32(f32_bits(z) << 23)                 # 32-bit wraparound, as vpslld
+    k = f32_of_bits(np.int32(e + _ONE_BITS))
     u = b * b
-    j = fma32(fma32(fma32(_E_C5, b, _E_C4), u, fma32(_E_C3, b, _E_C2)), u, fma32(_E_C1, b, np.float32(1.0)))
-    n_in = min(max(n, np.float32(-192.0)), np.float32(192.0))
-    n_normal = min(max(n_in, np.float32(-126.0)), np.float32(127.0))
-    r = (j * _pow2i(n_in - n_normal)) * _pow2i(n_normal)
-    return r if abs(n) <= np.float32(192.0) else (np.float32(0.0) if n < np.float32(0.0) else np.float32(np.inf))
+    j = fma32(fma32(fma32(_E_C5, b, _E_C4), u, fma32(_E_C3, b, _E_C2)), u, _E_C1 * b)
+    g = np.int32(-2113929216) if n <= np.float32(0.0) else np.int32(0)          # 0x82000000 where n <= 0
+    s1 = f32_of_bits(np.int32(g + np.int32(0x7F000000)))
+    s2 = f32_of_bits(np.int32(e - g))
+    an = abs(n)
+    big = s1 * s1 if an > np.float32(192.0) else fma32(s2, j, s2) * s1
+    return big if an > np.float32(126.0) else fma32(k, j, k)
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -273,7 +302,7 @@ CHUNK = 4096
 
 @njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: ggml_v_silu's exact rounding
 def _swiglu(g, u, out):
-    """silu(g) * u as ggml_vec_swiglu_f32 (AVX-512): x / (1 + ggml_expf(-x)) * u, IEEE division."""
+    """silu(g) * u as ggml_vec_swiglu_f32 (AVX2): x / (1 + ggml_expf(0 - x)) * u, IEEE division."""
     n = g.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
         gc, uc, oc = g[c * CHUNK:(c + 1) * CHUNK], u[c * CHUNK:(c + 1) * CHUNK], out[c * CHUNK:(c + 1) * CHUNK]

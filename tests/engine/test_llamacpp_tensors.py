@@ -2,16 +2,17 @@
 gemma-3-270m, one decode step): each native op is fed llama.cpp's input to that op and compared with llama.cpp's
 output of it, so a difference cannot come from earlier layers.
 
-llama.cpp's graph callback (cb_eval) hands us every tensor of the step. What the bounds say:
-- RMSNorm, rope, SwiGLU and gemma's GELU: bit for bit (they follow ggml's evaluation order, its
-  expf and its float16 GELU table);
-- the quantized matmuls: 1e-5 of the largest output. Activations are quantized to q8_0 / q8_K
-  exactly as llama.cpp does and the integer dots are exact; what remains is the order of the float
-  sum over blocks. A wrong activation rounding gives ~1e-3, a wrong scale or offset far more;
-- the softmax: bit for bit (given llama.cpp's scores, our probabilities are its float16 ones);
-- attention: 1e-6 of the largest output (the order of the float32 dot products).
-These remaining float-order differences are why greedy decoding still forks from llama.cpp at near
-ties: a flip of one q8 rounding downstream turns a 1e-7 difference into a 1e-3 one.
+llama.cpp's graph callback (cb_eval) hands us every tensor of the step. Every op must give
+llama.cpp's tensor bit for bit:
+- RMSNorm, rope, SwiGLU and gemma's GELU (ggml's evaluation order, its AVX2 expf, its float16
+  GELU table);
+- the quantized matmuls (activations quantized to q8_0 / q8_K as llama.cpp does, exact integer
+  dots, and llama.cpp's float steps; q/k/v and gate/up run fused);
+- the softmax (given llama.cpp's scores, our probabilities are its float16 ones) and attention
+  over llama.cpp's own float16 cache.
+(Without bit-exactness greedy decoding forks from llama.cpp at near ties: a flip of one q8
+rounding downstream turns a 1e-7 difference into a 1e-3 one. On a CPU without AVX2 the exact
+kernels are absent and these tests do not apply.)
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import ctypes
 
 import numpy as np
 import pytest
+
 
 from core.engine import Engine
 from models import registry
@@ -134,22 +136,26 @@ def test_norms_rope_swiglu_are_bit_exact(step):
     assert _ulps(swiglu(gate, up), _get(tensors, "ffn_swiglu-0")) == 0
 
 
-def test_quantized_matmuls_match_to_float_summation_order(step):
-    from models.transformer import _mm
-    tensors, native, _ = step
+@pytest.mark.parametrize("which", ["step", "gemma_step"])
+def test_quantized_matmuls_are_bit_exact(which, request):
+    from models.transformer import RowPlan, _mm
+    tensors, native, _ = request.getfixturevalue(which)
     model = native.backend.model
-    block = model.blocks[0]
-    one_row = [(0, 1, False)]
-    checks = [
-        (block.wq, "attn_norm-0", ("Qcur-0", 0)), (block.wk, "attn_norm-0", ("Kcur-0", 0)),
-        (block.wv, "attn_norm-0", ("Vcur-0", 0)), (block.w_gate, "ffn_norm-0", ("ffn_gate-0", 0)),
-        (block.w_up, "ffn_norm-0", ("ffn_up-0", 0)), (block.w_down, "ffn_swiglu-0", ("ffn_out-0", 0)),
-        (model.output, "result_norm", ("result_output", 0)),
-    ]
-    for w, x_name, (y_name, nth) in checks:
-        x = _get(tensors, x_name).reshape(1, -1)
-        got = _mm(w, x, one_row, True)
-        assert _rel(got, _get(tensors, y_name, nth)) <= 1e-5, (y_name, _rel(got, _get(tensors, y_name, nth)))
+    plan = RowPlan.of([(None, 0, 1, True)])                               # one decode row
+    for il in (0, 1, model.cfg.n_layer - 1):
+        block = model.blocks[il]
+        q, k, v = block.qkv(_get(tensors, f"attn_norm-{il}").reshape(1, -1), plan, True, {})
+        gate, up = block.gate_up(_get(tensors, f"ffn_norm-{il}").reshape(1, -1), plan, True, {})
+        checks = [(q, f"Qcur-{il}"), (k, f"Kcur-{il}"), (v, f"Vcur-{il}"), (gate, f"ffn_gate-{il}"), (up, f"ffn_up-{il}")]
+        act = "ffn_swiglu" if which == "step" else "ffn_geglu"
+        checks.append((_mm(block.w_down, _get(tensors, f"{act}-{il}").reshape(1, -1), plan, True), f"ffn_out-{il}"))
+        checks.append((_mm(block.wo, _get(tensors, f"kqv_out-{il}").reshape(1, -1), plan, True),
+                       f"attn_out-{il}" if which == "gemma_step" else None))
+        for got, name in checks:
+            if name is not None and any(n == name for n, _ in tensors):
+                assert _ulps(got, _get(tensors, name, 0)) == 0, name
+    logits = _mm(model.output, _get(tensors, "result_norm").reshape(1, -1), plan, True)
+    assert _ulps(logits, _get(tensors, "result_output")) == 0
 
 
 def test_decode_attention_over_llama_cpp_cache(step):
@@ -170,24 +176,23 @@ def test_decode_attention_over_llama_cpp_cache(step):
     q = _get(tensors, "Qcur-0", 3).reshape(cfg.n_head, hd)
     q = q.astype(np.float16).astype(np.float32)                           # llama.cpp's f16 copy of Q
     out = attention_decode(q, k_cache, v_cache, np.arange(n_blocks, dtype=np.int32), n_kv, cfg.attn_scale)
-    assert _rel(out, _get(tensors, "kqv-0").reshape(cfg.n_head, hd)) <= 1e-6
+    assert _ulps(out, _get(tensors, "kqv-0").reshape(cfg.n_head, hd)) == 0
 
 
 @pytest.mark.parametrize("which", ["step", "gemma_step"])
 def test_softmax_is_llama_cpps(which, request):
     """llama.cpp's scores of layer 0 (all n_kv cache cells, padded to 256, the unused ones masked)
     through our softmax give bit for bit the float16 probabilities llama.cpp multiplies V by."""
-    from kernels.cpu.attention import _softmax_f16
+    from kernels.cpu.attention import _softmax_row
     tensors, native, pos = request.getfixturevalue(which)
     cfg = native.backend.model.cfg
     kq = _get(tensors, "kq-0")                                            # (1, Hq, 1, n_kv)
-    kq_scale = 1.0 if which == "gemma_step" else cfg.attn_scale           # llama.cpp scales gemma's Q instead
-    scores = kq.reshape(-1, kq.shape[-1]).T * np.float32(kq_scale)
-    scores[pos + 1:] = -np.inf                                            # keys not written yet
-    probs = np.ascontiguousarray(scores, np.float32)                      # (n_kv, Hq)
-    _softmax_f16(probs, probs.shape[0], 0, scores.max(axis=0).astype(np.float32), np.empty(probs.shape[1], np.float32))
-    theirs = _get(tensors, "kq_soft_max-0").reshape(-1, kq.shape[-1]).T.astype(np.float16).astype(np.float32)
-    assert _ulps(probs, theirs) == 0
+    kq_scale = 1.0 if cfg.scale_q else cfg.attn_scale                     # llama.cpp scales gemma's Q instead
+    scores = np.ascontiguousarray(kq.reshape(-1, kq.shape[-1]), np.float32)   # (Hq, n_kv)
+    for row in scores:
+        _softmax_row(row, 0, row.shape[0], 0, 0, pos, np.float32(kq_scale))   # keys past pos: not written yet
+    theirs = _get(tensors, "kq_soft_max-0").reshape(-1, kq.shape[-1]).astype(np.float16).astype(np.float32)
+    assert _ulps(scores, theirs) == 0
 
 
 def test_gemma_norms_and_gelu_are_bit_exact(gemma_step):

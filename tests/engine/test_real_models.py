@@ -1,20 +1,16 @@
 """The native engine against llama.cpp on the real registry models (qwen2.5-coder-0.5b-instruct,
 gemma-3-270m), 11 prompts: chat and raw, English and Russian, code; greedy, 64 tokens.
 
-What llama.cpp's own numbers allow us to demand. llama.cpp rounds activations to q8 blocks and
-keeps K/V in f16, and its batched (prompt) and one-token (decode) paths round differently: on the
-same tokens its logits differ by up to 0.43 (qwen) and 1.2 (gemma), and teacher-forced through
-its batched path it reproduces its own stepwise greedy choice at only ~98.3% / ~98.2% of positions.
-Two correct engines therefore fork wherever the top two logits are closer than that noise. So:
-
-1. teacher forcing (llama.cpp's greedy sequence through the native engine, all positions at once):
-   native top-1 agrees with llama.cpp at >= 96.5% of positions, and within 1.5 points of llama.cpp's
-   agreement with itself;
-2. greedy: wherever native and llama.cpp part ways in the first 32 tokens, it is a near tie for
-   llama.cpp too (its own margin between the two tokens < 1 logit). A wrong rope, mask, norm or
-   kernel makes forks with margins of many logits.
-The issue's stricter bar (first 32 tokens equal on >= 90% of prompts) is printed, not asserted:
-on gemma it is below llama.cpp's own batched-vs-stepwise consistency.
+The native engine reproduces llama.cpp's arithmetic (AVX2 build) bit for bit, so:
+1. greedy: the first 32 tokens equal llama.cpp's on >= 90% of the prompts (the issue's bar; all
+   of them in practice);
+2. teacher forcing (llama.cpp's greedy sequence through the native engine in one pass, every row
+   with the arithmetic of the decode step that produced it, as a speculative check computes it):
+   the top-1 equals llama.cpp's greedy token at >= 98% of positions (all of them in practice);
+3. teacher forcing through the batched (prompt) arithmetic gives llama.cpp's batched logits_all
+   bit for bit. (llama.cpp's own batched top-1 agrees with its stepwise greedy choice at only
+   ~97-99% of positions: its two kernel families round differently, which is why (2) compares
+   like with like.)
 """
 from __future__ import annotations
 
@@ -63,30 +59,37 @@ def _greedy(backend, ids):
 
 def test_native_tracks_llama_cpp(engines):
     eng, native, batched = engines
-    native_tf = llama_tf = total = same32 = 0
-    report, bad_forks = [], []
+    tf_rows = tf_batched = total = same32 = 0
+    report = []
     for chat, text in PROMPTS:
         ids = eng.prompt_ids(text, chat=chat and eng.has_chat_template)
+        # both engines from an empty cache: a reused prefix changes the size of the batch the rest
+        # of the prompt runs in, and with it llama.cpp's choice of kernels
+        eng.backend.llm.reset()
+        eng.backend.llm._ctx.kv_cache_clear()
+        native.reset()
         ref = _greedy(eng.backend, ids)
         out = _greedy(native, ids)
-        seq = ids + ref[:-1]
-        llama_logits = batched.logits_all(seq)[len(ids) - 1:]          # (len(ref), n_vocab)
-        native_logits = native.logits_all(seq)[len(ids) - 1:]
-        target = np.asarray(ref)
-        native_tf += int((native_logits.argmax(-1) == target).sum())
-        llama_tf += int((llama_logits.argmax(-1) == target).sum())
-        total += len(ref)
         same32 += ref[:32] == out[:32]
         fork = next((i for i in range(min(32, len(ref), len(out))) if ref[i] != out[i]), None)
         if fork is not None:
-            margin = float(llama_logits[fork, ref[fork]] - llama_logits[fork, out[fork]])
-            report.append(f"{text[:28]!r}: fork at {fork}, llama.cpp margin {margin:.3f}")
-            if margin >= 1.0:
-                bad_forks.append(report[-1])
-    summary = (f"first 32 equal on {same32}/{len(PROMPTS)} prompts; teacher-forced top-1: native "
-               f"{native_tf / total:.3f}, llama.cpp batched vs its own stepwise {llama_tf / total:.3f}\n"
-               + "\n".join(report))
+            report.append(f"{text[:28]!r}: fork at {fork}")
+        # teacher forcing, decode arithmetic: the prompt as one batch, then every generated token
+        # in one pass with decode rows
+        native.reset()
+        first = native._forward(ids)
+        rows = native._forward_all(ref[:-1])                              # (len(ref) - 1, n_vocab)
+        pred = np.concatenate([[first.argmax()], rows.argmax(-1)])
+        tf_rows += int((pred == np.asarray(ref)).sum())
+        # teacher forcing, batched arithmetic: bit for bit llama.cpp's logits_all
+        seq = ids + ref[:-1]
+        native_logits = native.logits_all(seq)
+        llama_logits = batched.logits_all(seq)
+        np.testing.assert_array_equal(native_logits, llama_logits)
+        tf_batched += int((native_logits[len(ids) - 1:].argmax(-1) == np.asarray(ref)).sum())
+        total += len(ref)
+    summary = (f"first 32 equal on {same32}/{len(PROMPTS)} prompts; teacher-forced top-1: decode rows "
+               f"{tf_rows / total:.3f}, batched (= llama.cpp batched) {tf_batched / total:.3f}\n" + "\n".join(report))
     print(summary)
-    assert not bad_forks, summary
-    assert native_tf >= 0.965 * total, summary
-    assert native_tf >= llama_tf - 0.015 * total, summary
+    assert same32 >= 0.9 * len(PROMPTS), summary
+    assert tf_rows >= 0.98 * total, summary

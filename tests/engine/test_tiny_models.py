@@ -1,5 +1,12 @@
 """Native logits against llama.cpp's, every position, for each architecture x weight type.
 
+On AVX2 CPUs the native engine reproduces llama.cpp's arithmetic for Q5_0, Q8_0, Q4_K and Q6_K
+weights (the exact int8 kernels, llama.cpp's attention and softmax, the same activation
+rounding), so for those the logits must be *equal*, bit for bit, at every position: the prompt in
+one batch (llama.cpp's batched kernels) and token by token (its one-token kernels).
+
+For every type, and with exact float32 activations:
+
 llama.cpp is not an exact oracle for quantized weights: it quantizes activations to q8 before
 each quantized matmul (and on these random-weight models its own quantized logits differ from
 those of the very same weights stored as F32 by up to a few logits). So each quantized model
@@ -91,6 +98,28 @@ def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir, softmax="lla
     ref = _llama_logits(twin, Tokenizer.from_gguf(twin))
     _check(decode, ref, DECODE_TOL, f"{arch} {qtype} decode")
     _check(prefill, ref, PREFILL_TOL, f"{arch} {qtype} prefill")
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_equals_llamacpp_bit_for_bit(arch, qtype, tiny_model):
+    """The same quantized file through both engines: identical logits, batched and stepwise."""
+    g, tok = tiny_model(arch, qtype)
+    native = NativeBackend(g, tok, 256, 2)
+    batched = native.logits_all(IDS)
+    native.seq.release()
+    stepwise = np.stack([native._forward([t]) for t in IDS])
+    native.close()
+    ll = LlamaCppBackend(g, tok, 256, 2, logits_all=True)
+    try:
+        ref_batched = ll.logits_all(IDS)
+        ll.llm.reset()
+        ll.llm._ctx.kv_cache_clear()
+        ref_stepwise = np.stack([ll._forward([t]) for t in IDS])
+    finally:
+        ll.close()
+    np.testing.assert_array_equal(batched, ref_batched)
+    np.testing.assert_array_equal(stepwise, ref_stepwise)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,23 +1,31 @@
-"""The decode kernels' repacked weights are cached on disk and memory-mapped back on the next load."""
+"""The exact kernels' repacked weights (8-row layouts, fused q/k/v and gate/up) are cached on disk
+and memory-mapped back on the next load."""
 import numpy as np
 import pytest
 
-from kernels.cpu.matmul import TILE16_TYPES
 from models.transformer import load_model
 
 
+
+def _exact(model):
+    return [m for m in model._matrices() if m.exact is not None]
+
+
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
-def test_cached_tiles_give_the_same_model(tiny_model, tmp_path, qtype):
+def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, qtype):
     g, _ = tiny_model("qwen2", qtype)
     fresh = load_model(g, cache_dir=tmp_path / "w")
-    files = sorted((tmp_path / "w").glob("*.tiles.npy"))
-    tiled = [m for m in fresh._matrices() if m.ggml_type in TILE16_TYPES]
-    assert len(files) == len(tiled) > 0                   # one file per tiled matrix, nothing else
+    files = sorted((tmp_path / "w").glob("*.x8.npy"))
+    # a lone Q6_K matrix reads the GGUF rows in place; every other exact layout is a file
+    repacked = [m for m in _exact(fresh) if m.ggml_type != 14 or m.raw is None]
+    assert len(files) == len(repacked) > 0                         # one file per repacked matrix, nothing else
+    # q, k, v and gate, up of one type run fused: one file (and one matrix) per group
+    assert any("+" in f.name for f in files)
     cached = load_model(g, cache_dir=tmp_path / "w")
-    for a, b in zip(fresh._matrices(), cached._matrices()):
-        if a.tiles is not None:
-            assert isinstance(b.tiles.base, np.memmap) or not b.tiles.flags.owndata   # mapped, not rebuilt
-            np.testing.assert_array_equal(np.asarray(a.tiles), np.asarray(b.tiles))
+    for a, b in zip(_exact(fresh), _exact(cached)):
+        if a.ggml_type != 14 or a.raw is None:
+            assert isinstance(b.exact, np.memmap) or isinstance(b.exact.base, np.memmap)   # mapped, not rebuilt
+        np.testing.assert_array_equal(np.asarray(a.exact), np.asarray(b.exact))
     x = np.random.default_rng(0).standard_normal(fresh.cfg.n_embd).astype(np.float32)
     w_fresh, w_cached = fresh.blocks[0].w_gate, cached.blocks[0].w_gate
     np.testing.assert_array_equal(w_fresh.gemv(x), w_cached.gemv(x))
@@ -26,8 +34,24 @@ def test_cached_tiles_give_the_same_model(tiny_model, tmp_path, qtype):
 def test_damaged_cache_entry_is_rebuilt(tiny_model, tmp_path):
     g, _ = tiny_model("qwen2", "Q5_0")
     load_model(g, cache_dir=tmp_path / "w")
-    victim = sorted((tmp_path / "w").glob("*.tiles.npy"))[0]
+    victim = sorted((tmp_path / "w").glob("*.x8.npy"))[0]
     victim.write_bytes(b"not a numpy file")
     again = load_model(g, cache_dir=tmp_path / "w")
     assert victim.read_bytes()[:6] == b"\x93NUMPY"          # rewritten
-    assert all(m.tiles is not None for m in again._matrices() if m.ggml_type in TILE16_TYPES)
+    assert len(_exact(again)) > 0
+
+
+def test_stale_layout_folders_are_removed(tmp_path, monkeypatch):
+    """A new layout version replaces a model's folder; other models' folders stay."""
+    from core import paths
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 10)
+    other = tmp_path / "weights" / "n-10-1-old"
+    old = tmp_path / "weights" / "m-10-1-v1"
+    for d in (other, old):
+        d.mkdir(parents=True)
+    current = paths.weights_cache_dir(gguf)
+    assert current.name.endswith(paths.WEIGHTS_LAYOUT)
+    assert not old.exists() and other.exists()

@@ -1,9 +1,18 @@
-"""Quantized gemv/gemm/rows against float64 products of gguf-py's dequantized weights."""
+"""Quantized matrix products.
+
+- The float path (every type: gemv, gemm, rows) against float64 products of gguf-py's
+  dequantized weights, within bounds derived from its summation order.
+- The exact int8 path (Q5_0, Q8_0, Q4_K, Q6_K) against the numpy models of llama.cpp's AVX2
+  kernels in kernels.reference, bit for bit, over the row counts where llama.cpp changes kernel.
+"""
 import numpy as np
 import pytest
 
-from kernels.cpu.matmul import INT8_ACTIVATION_TYPES, TILE16_TYPES, QMatrix
+from kernels.cpu import qdot
+from kernels.cpu.matmul import QMatrix
+from kernels.cpu.qdot import Int8Rows
 from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES
+from kernels import reference as ref
 from kernels.reference import dequantize_ref, matmul_ref, random_quantized
 
 TYPES = sorted(SUPPORTED_TYPES)
@@ -37,20 +46,9 @@ def _setup(ggml_type, n_rows, n_cols, seed):
     return QMatrix(raw, ggml_type, n_rows, n_cols), w, rng
 
 
-def _q8k_bound(w, x):
-    """Error bound of int8 activations (one scale per 256 = max|x|/127): each x moves by at
-    most half a step, so |error| <= sum over blocks of step/2 * sum|w| in the block."""
-    xb = np.atleast_2d(x).astype(np.float64).reshape(np.atleast_2d(x).shape[0], -1, 256)
-    half_step = np.abs(xb).max(axis=-1) / 127 / 2  # (M, K/256)
-    wb = np.abs(w.astype(np.float64)).reshape(w.shape[0], -1, 256).sum(axis=-1)  # (N, K/256)
-    return (half_step @ wb.T).reshape(np.shape(x)[:-1] + (w.shape[0],))
-
-
 def _assert_close(got, w, x, rtol, ggml_type=None):
     ref = matmul_ref(w, x)
     bound = rtol * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T) + 1e-30
-    if ggml_type in INT8_ACTIVATION_TYPES and rtol == GEMV_RTOL:
-        bound = bound + _q8k_bound(w, x)
     err = np.abs(got - ref)
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
 
@@ -70,24 +68,6 @@ def test_gemv_k4864_q4_k():
     qm, w, rng = _setup(12, 33, 4864, 1)
     x = rng.standard_normal(4864).astype(np.float32)
     _assert_close(qm.gemv(x), w, x, GEMV_RTOL, 12)
-
-
-@pytest.mark.parametrize("int8", [True, False], ids=["int8-x", "float-x"])
-def test_gemv_q4_k_both_activation_paths(int8, monkeypatch):
-    from kernels.cpu import matmul
-
-    monkeypatch.setattr(matmul, "INT8_ACTIVATION_TYPES", frozenset({12}) if int8 else frozenset())
-    qm, w, rng = _setup(12, 33, 1536, 2)
-    if not int8:
-        qm.tiles = None  # the tile kernel (VNNI hosts) also takes int8 activations
-    x = rng.standard_normal(1536).astype(np.float32)
-    x[5] = 40.0  # an outlier widens its block's int8 step; the bound accounts for it
-    got = qm.gemv(x)
-    ref = matmul_ref(w, x)
-    bound = GEMV_RTOL * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
-    if int8:
-        bound += _q8k_bound(w, x)
-    assert np.all(np.abs(got - ref) <= bound)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=_name)
@@ -148,109 +128,124 @@ def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
         np.testing.assert_array_equal(qm.rows(ids), w[ids])
 
 
-TILE16_CANDIDATES = (6, 8, 12, 14)   # Q5_0, Q8_0, Q4_K, Q6_K: tiled on CPUs with AVX-512 VNNI, float kernels elsewhere
+# --- the exact int8 path ----------------------------------------------------------------------
+
+EXACT = [6, 8, 12, 14]          # Q5_0, Q8_0, Q4_K, Q6_K
 
 
-@pytest.mark.parametrize("ggml_type", TILE16_CANDIDATES, ids=_name)
-@pytest.mark.parametrize("n_rows, n_blocks", [(16, 1), (48, 5), (128, 28), (896, 19), (23, 2)])
-@pytest.mark.parametrize("parallel", [True, False], ids=["par", "serial"])
-def test_gemv_tile16(ggml_type, n_rows, n_blocks, parallel, monkeypatch):
-    """16-row tile kernels (int8 activations): whole and partial tiles, both thread paths; exact
-    on llama.cpp-rounded x (Q5_0/Q6_K fall back to float kernels for other x: test_gemv)."""
-    from kernels.cpu import matmul
-
-    n_cols = n_blocks * GGML_BLOCK[ggml_type][0]
-    monkeypatch.setattr(matmul, "GEMV_PAR_MIN_BYTES", 0 if parallel else 1 << 62)
-    qm, w, rng = _setup(ggml_type, n_rows, n_cols, n_rows + n_cols)
-    tiled = ggml_type in TILE16_TYPES
-    assert (qm.tiles is not None) == tiled
-    from kernels.cpu.activations import round_like_llama_cpp
-
-    x = rng.standard_normal(n_cols).astype(np.float32)
-    x[3] = 30.0  # an outlier widens its block's int8 step
-    x = round_like_llama_cpp(x[None], ggml_type)[0]  # on the int8 grid, as the models layer passes it
-    calls = []
-    if tiled:
-        for table in (matmul._GEMV, matmul._GEMV_SERIAL):  # the float fallbacks must not run
-            monkeypatch.setitem(table, ggml_type, lambda *a: calls.append(a))
-    _assert_close(qm.gemv(x), w, x, GEMV_RTOL, ggml_type)
-    assert not calls
+def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
+    """The numpy model of llama.cpp's kernel for each run of rows."""
+    out = np.empty((rows.n_rows, raw.shape[0]), np.float32)
+    if ggml_type in (6, 8):
+        d, w = (ref.unpack_q8_0 if ggml_type == 8 else ref.unpack_q5_0)(raw, n_cols)
+        return ref.matmul_q0_ref(d, w, rows.dx, rows.xq)
+    unpacked = (ref.unpack_q4_k if ggml_type == 12 else ref.unpack_q6_k)(raw, n_cols)
+    for r0, n, batched in runs:
+        sl = slice(r0, r0 + n)
+        if ggml_type == 12:        # llama.cpp: gemm for the first n - n % 4 rows of a batch > 3 rows
+            n_gemm = n - n % 4 if batched and n > 3 else 0
+            g = slice(r0, r0 + n_gemm)
+            v = slice(r0 + n_gemm, r0 + n)
+            out[g] = ref.matmul_q4_k_ref(unpacked, rows.dx[g], rows.xq[g], per_pair=True)
+            out[v] = ref.matmul_q4_k_ref(unpacked, rows.dx[v], rows.xq[v], per_pair=False)
+        else:                      # tiled from 8 rows
+            out[sl] = ref.matmul_q6_k_ref(unpacked, rows.dx[sl], rows.xq[sl], tiled=batched and n >= 8)
+    return out
 
 
-@pytest.mark.parametrize("ggml_type", TILE16_CANDIDATES, ids=_name)
-def test_gemv_tile16_is_exact_on_llama_rounded_x(ggml_type):
-    """On an activation already rounded to q8_0 (as the models layer does) the int8 requantization
-    is lossless: the result is the float64 product up to float32 summation error."""
-    from kernels.cpu.activations import round_like_llama_cpp
-
-    n_cols = 1536 if GGML_BLOCK[ggml_type][0] == 256 else 896
-    qm, w, rng = _setup(ggml_type, 64, n_cols, 9)
-    x = round_like_llama_cpp(rng.standard_normal((1, n_cols)).astype(np.float32), ggml_type)[0]
-    _assert_close(qm.gemv(x), w, x, GEMV_RTOL)  # no int8 allowance
-
-
-@pytest.mark.parametrize("kind, blk", [("q8_0", 32), ("q8_K", 256)])
-def test_int8_quantizers_are_llama_cpp_rounding(kind, blk):
-    """The tile kernels quantize activations themselves; dequantized, that must be bit-for-bit
-    the activation llama.cpp's matmul uses (activations.round_like_llama_cpp), including a block
-    whose largest value is negative, an outlier, and an all-zero block."""
-    from kernels.cpu.activations import round_like_llama_cpp
-    from kernels.cpu.matmul import Int8Rows
-
-    rng = np.random.default_rng(blk)
-    x = rng.standard_normal((5, 4 * blk)).astype(np.float32)
-    x[0, 3] = -50.0
-    x[1, blk + 7] = 1e4
-    x[2, 2 * blk:3 * blk] = 0.0
-    rows = Int8Rows(x, kind)
-    deq = rows.xq.astype(np.float32) * np.repeat(rows.dx, blk, axis=1)
-    np.testing.assert_array_equal(deq, round_like_llama_cpp(x, 8 if kind == "q8_0" else 12))
-    assert rows.xq.min() >= -127 and rows.xq.max() <= 127
-
-
-@pytest.mark.parametrize("ggml_type", TILE16_CANDIDATES, ids=_name)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 21])
-@pytest.mark.parametrize("n_rows", [16, 23])
-@pytest.mark.parametrize("parallel", [True, False], ids=["par", "serial"])
-def test_matmul_int8_rows(ggml_type, m, n_rows, parallel, monkeypatch):
-    """Several activation rows through one pass over W (multi-row tile kernels, full groups plus
-    a remainder; 21 rows take Q5_0's decode-once path): each row equals its own one-row result
-    bit for bit (a batch or a speculative check gives decode's numbers) and the float64 product on
-    llama.cpp-rounded x."""
-    from kernels.cpu import matmul
-    from kernels.cpu.activations import round_like_llama_cpp
-    from kernels.cpu.matmul import VEC_DOT_KIND, Int8Rows
-
-    assert m < 16 or m >= matmul.Q5_0_DECODE_ONCE_ROWS
-    n_cols = 2 * GGML_BLOCK[ggml_type][0] * (4 if GGML_BLOCK[ggml_type][0] == 32 else 1)
-    qm, w, rng = _setup(ggml_type, n_rows, n_cols, m * 100 + n_rows + ggml_type)
-    assert (qm.tiles is not None) == (ggml_type in TILE16_TYPES)
+@pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
+@pytest.mark.parametrize("n_rows, n_cols", [(13, 256), (40, 4864), (33, 896)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37])
+def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
+    """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernel (fewer
+    than 16 rows) and the Q5_0 panel kernel (16 or more), Q4_K's gemm/gemv split, Q6_K's vec_dot
+    (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8 layouts' padding."""
+    if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
+        n_cols = 1536
+    if ggml_type == 12 and n_rows % 8:
+        n_rows = 16                # llama.cpp only repacks Q4_K with a multiple of 8 rows
+    rng = np.random.default_rng(ggml_type * 1000 + n_rows * 10 + m)
+    raw = random_quantized(ggml_type, n_rows, n_cols, rng)
+    qm = QMatrix(raw, ggml_type, n_rows, n_cols)
+    assert qm.exact is not None
     x = rng.standard_normal((m, n_cols)).astype(np.float32)
-    xr = round_like_llama_cpp(x, ggml_type)
-    if qm.tiles is None:  # no AVX-512 VNNI: the models layer takes round + gemv instead
-        _assert_close(np.stack([qm.gemv(r) for r in xr]), w, xr, GEMV_RTOL, ggml_type)
-        return
-    monkeypatch.setattr(matmul, "GEMV_PAR_MIN_BYTES", 0 if parallel else 1 << 62)
-    kind = VEC_DOT_KIND[ggml_type]
-    got = qm.matmul_int8(Int8Rows(x, kind))
-    assert got.shape == (m, n_rows) and got.dtype == np.float32
-    for i in range(m):
+    x[0, 3] = 25.0                 # an outlier: a block with a large scale
+    rows = Int8Rows(x, qdot.VEC_DOT_KIND[ggml_type])
+    got = qm.matmul_int8(rows)
+    np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, True)]))
+
+
+@pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
+def test_one_row_runs_give_every_row_its_single_row_numbers(ggml_type):
+    """Decode rows (speculative checks, batches) get each row the numbers it gets alone, while a
+    batched run in the same call keeps llama.cpp's batch arithmetic."""
+    n_cols = 1536
+    rng = np.random.default_rng(ggml_type)
+    raw = random_quantized(ggml_type, 24, n_cols, rng)
+    qm = QMatrix(raw, ggml_type, 24, n_cols)
+    x = rng.standard_normal((14, n_cols)).astype(np.float32)
+    kind = qdot.VEC_DOT_KIND[ggml_type]
+    runs = [(0, 9, True), (9, 1, False), (10, 4, False)]
+    got = qm.matmul_int8(Int8Rows(x, kind), runs=runs)
+    for i in range(9, 14):
         np.testing.assert_array_equal(got[i], qm.matmul_int8(Int8Rows(x[i:i + 1], kind))[0])
-    _assert_close(got, w, xr, GEMV_RTOL)
+    np.testing.assert_array_equal(got[:9], qm.matmul_int8(Int8Rows(x[:9], kind)))
+    rows = Int8Rows(x, kind)
+    np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, runs))
 
 
-@pytest.mark.parametrize("n_out", [1, 16, 17, 40])
-def test_matmul_int8_first_rows_only(n_out):
-    """A draft model scores a truncated vocabulary: the first n_out rows of W, exactly the full
-    product's first n_out columns."""
-    from kernels.cpu.matmul import Int8Rows
+@pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
+@pytest.mark.parametrize("n_out", [1, 8, 13, 40])
+def test_first_rows_only(ggml_type, n_out):
+    """n_out (a draft model's truncated vocabulary): the first n_out outputs, the same numbers."""
+    rng = np.random.default_rng(n_out)
+    raw = random_quantized(ggml_type, 40, 1536, rng)
+    qm = QMatrix(raw, ggml_type, 40, 1536)
+    rows = Int8Rows(rng.standard_normal((3, 1536)).astype(np.float32), qdot.VEC_DOT_KIND[ggml_type])
+    np.testing.assert_array_equal(qm.matmul_int8(rows, n_out), qm.matmul_int8(rows)[:, :n_out])
 
-    qm, w, rng = _setup(8, 45, 256, n_out)
-    x = rng.standard_normal((3, 256)).astype(np.float32)
-    if qm.tiles is None:   # no AVX-512 VNNI: no tile kernels, the models layer slices the full product
-        assert 8 not in TILE16_TYPES
-        return
-    rows = Int8Rows(x, "q8_0")
-    part = qm.matmul_int8(rows, n_out)
-    assert part.shape == (3, n_out)
-    np.testing.assert_array_equal(part, qm.matmul_int8(rows)[:, :n_out])
+
+@pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
+def test_exact_parallel_and_serial_agree(ggml_type):
+    import numba
+    rng = np.random.default_rng(7)
+    raw = random_quantized(ggml_type, 64, 1536, rng)
+    qm = QMatrix(raw, ggml_type, 64, 1536)
+    rows = Int8Rows(rng.standard_normal((20, 1536)).astype(np.float32), qdot.VEC_DOT_KIND[ggml_type])
+    got2 = qm.matmul_int8(rows)
+    n = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        np.testing.assert_array_equal(qm.matmul_int8(rows), got2)
+    finally:
+        numba.set_num_threads(n)
+
+
+@pytest.mark.parametrize("x_scale", [1.0, 1e-6, 1e4])
+def test_activation_quantizers_equal_llama_cpp_model(x_scale):
+    """q8_0 / q8_K rows as quantize_row_q8_0 (AVX2) and quantize_row_q8_K_ref make them, with the
+    sums the kernels take, including an all-zero block and ties of |max| with both signs."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 512)) * x_scale).astype(np.float32)
+    x[1, :256] = 0.0
+    x[2, 10], x[2, 20] = -3 * x_scale, 3 * x_scale                 # +-max tie: the first one sets the sign
+    xq, dx, sx = qdot.quantize_q8_0(x)
+    want_q, want_d = ref.quantize_q8_0_ref(x)
+    np.testing.assert_array_equal(xq, want_q)
+    np.testing.assert_array_equal(dx, want_d)
+    np.testing.assert_array_equal(sx, 16 * xq.reshape(5, -1, 4).astype(np.int32).sum(-1))
+    kq, kd, bs16, bsp = qdot.quantize_q8_k(x)
+    want_q, want_d = ref.quantize_q8_k_ref(x)
+    np.testing.assert_array_equal(kq, want_q)
+    np.testing.assert_array_equal(kd, want_d)
+    s16 = kq.reshape(5, -1, 16).astype(np.int32).sum(-1)
+    np.testing.assert_array_equal(bs16, s16)
+    s32 = s16.reshape(5, -1, 2).sum(-1)
+    np.testing.assert_array_equal(bsp, (s32[:, 0::2] & 0xFFFF) | (s32[:, 1::2] << 16))
+
+
+def test_exact_kernels_exist_on_this_cpu():
+    """kvchat's exactness rests on these kernels (AVX2, FMA, F16C: any x86-64 of the last decade);
+    without them the engine falls back to the float kernels and no longer follows llama.cpp."""
+    from kernels.cpu import qdot
+    assert qdot.EXACT_TYPES == {6, 8, 12, 14}

@@ -1,0 +1,118 @@
+"""The inner loops of attention with llama.cpp's rounding (AVX2 build, no flash attention), as LLVM
+vector IR.
+
+llama.cpp computes attention as two float16 matrix products around ggml's softmax:
+- a batch of tokens (n >= 2): tinyBLAS, per output 8 float lanes (element l of the shared axis
+  goes to lane l % 8, fma chain in order), hsum_float_8 at the end: the scores K.Q over head_dim
+  and the output V.P over the key cells (P rounded to float16);
+- one token: ggml_vec_dot_f16, 4 accumulators of 8 lanes (element e to accumulator (e // 8) % 4,
+  lane e % 8), chains over steps of 32, then GGML_F32x8_REDUCE.
+These kernels give every output exactly that chain, so the results equal llama.cpp's bit for bit.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.cpu.simd import V8F, V8H, array, as_i64, c64, fma, hsum8, reduce4x8, splat, vload, vstore
+
+
+def _load8(builder, base, idx, is_f16):
+    """8 consecutive float32 (or float16 widened) elements of a flat array at element idx."""
+    p = builder.gep(base, [idx])
+    return builder.fpext(vload(builder, p, V8H), V8F) if is_f16 else vload(builder, p, V8F)
+
+
+def _tb_kernel(RM: int, RN: int, b_f16: bool):
+    """kern(A, ia, lda, B, ib, ldb, L, C, ic, ldc): C[ic + i*ldc + j] = tinyBLAS dot of row i of A
+    (A[ia + i*lda : +L]) and row j of B (B[ib + j*ldb : +L]) for i < RM, j < RN; L % 8 == 0.
+    A float32; B float32, or float16 bits (uint16) widened on load."""
+
+    def kern(typingctx, A, ia, lda, B, ib, ldb, L, C, ic, ldc):
+        sig = types.void(A, ia, lda, B, ib, ldb, L, C, ic, ldc)
+
+        def codegen(context, builder, signature, args):
+            aa, ba, ca = (array(context, builder, signature.args[k], args[k]) for k in (0, 3, 7))
+            ia, lda, ib, ldb, L, ic, ldc = (as_i64(builder, args[k]) for k in (1, 2, 4, 5, 6, 8, 9))
+            bdata = builder.bitcast(ba.data, ir.HalfType().as_pointer()) if b_f16 else ba.data
+            arow = [builder.add(ia, builder.mul(c64(i), lda)) for i in range(RM)]
+            brow = [builder.add(ib, builder.mul(c64(j), ldb)) for j in range(RN)]
+            zero = ir.Constant(V8F, [0.0] * 8)
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(RN)] for _ in range(RM)]
+            with cgutils.for_range_slice(builder, c64(0), L, c64(8)) as (l, _):
+                av = [_load8(builder, aa.data, builder.add(arow[i], l), False) for i in range(RM)]
+                bv = [_load8(builder, bdata, builder.add(brow[j], l), b_f16) for j in range(RN)]
+                for i in range(RM):
+                    for j in range(RN):
+                        builder.store(fma(builder, av[i], bv[j], builder.load(acc[i][j])), acc[i][j])
+            for i in range(RM):
+                for j in range(RN):
+                    idx = builder.add(ic, builder.add(builder.mul(c64(i), ldc), c64(j)))
+                    builder.store(hsum8(builder, builder.load(acc[i][j])), builder.gep(ca.data, [idx]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"tb_{RM}x{RN}_{'f16' if b_f16 else 'f32'}"
+    return intrinsic(kern)
+
+
+# scores: A = the tile's queries, B = the K cache rows (float16); P.V: A = probabilities, B = V^T.
+tb_2x4_f16, tb_1x4_f16, tb_2x1_f16, tb_1x1_f16 = (_tb_kernel(m, n, True) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
+tb_2x4_f32, tb_1x4_f32, tb_2x1_f32, tb_1x1_f32 = (_tb_kernel(m, n, False) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
+
+
+@intrinsic
+def vd_dot(typingctx, a, ia, b, ib, n):
+    """ggml_vec_dot_f16 of a[ia : ia+n] (float32 holding float16 values) and b[ib : ib+n] (float16
+    bits): 4 accumulators of 8 lanes, chains over steps of 32, GGML_F32x8_REDUCE; n % 32 == 0."""
+    sig = types.float32(a, ia, b, ib, n)
+
+    def codegen(context, builder, signature, args):
+        aa, ba = array(context, builder, signature.args[0], args[0]), array(context, builder, signature.args[2], args[2])
+        ia, ib, n = (as_i64(builder, args[k]) for k in (1, 3, 4))
+        bdata = builder.bitcast(ba.data, ir.HalfType().as_pointer())
+        zero = ir.Constant(V8F, [0.0] * 8)
+        acc = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
+        with cgutils.for_range_slice(builder, c64(0), n, c64(32)) as (e, _):
+            for k in range(4):
+                off = builder.add(e, c64(8 * k))
+                av = _load8(builder, aa.data, builder.add(ia, off), False)
+                bv = _load8(builder, bdata, builder.add(ib, off), True)
+                builder.store(fma(builder, av, bv, builder.load(acc[k])), acc[k])
+        return reduce4x8(builder, [builder.load(x) for x in acc])
+
+    return sig, codegen
+
+
+@intrinsic
+def vd_pv_residue(typingctx, p, ip, vf, block_table, bs, head_off, kstride, key0, n_steps, e0, acc, iacc):
+    """One residue of ggml_vec_dot_f16 over the key cells, for head dims e0 .. e0+63: the keys key0,
+    key0+32, key0+64, ... (s < n_steps; p[ip + 32*s] their probabilities) accumulate in order into
+    8 vectors of head dims, stored at acc[iacc .. iacc+64]. V row of key j: float16 bits at
+    vf[(block_table[j // bs] * bs + j % bs) * kstride + head_off + e0]."""
+    sig = types.void(p, ip, vf, block_table, bs, head_off, kstride, key0, n_steps, e0, acc, iacc)
+
+    def codegen(context, builder, signature, args):
+        pa, va, ta, aa = (array(context, builder, signature.args[k], args[k]) for k in (0, 2, 3, 10))
+        ip, bs, head_off, kstride, key0, n_steps, e0, iacc = (as_i64(builder, args[k]) for k in (1, 4, 5, 6, 7, 8, 9, 11))
+        vdata = builder.bitcast(va.data, ir.HalfType().as_pointer())
+        zero = ir.Constant(V8F, [0.0] * 8)
+        regs = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
+        with cgutils.for_range(builder, n_steps) as loop:
+            s = loop.index
+            pv = splat(builder, builder.load(builder.gep(pa.data, [builder.add(ip, builder.mul(s, c64(32)))])), V8F)
+            j = builder.add(key0, builder.mul(s, c64(32)))
+            blk = as_i64(builder, builder.load(builder.gep(ta.data, [builder.sdiv(j, bs)])))
+            cell = builder.add(builder.mul(blk, bs), builder.srem(j, bs))
+            row = builder.add(builder.add(builder.mul(cell, kstride), head_off), e0)
+            for v in range(8):
+                vv = _load8(builder, vdata, builder.add(row, c64(8 * v)), True)
+                builder.store(fma(builder, pv, vv, builder.load(regs[v])), regs[v])
+        for v in range(8):
+            vstore(builder, builder.load(regs[v]), builder.gep(aa.data, [builder.add(iacc, c64(8 * v))]))
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -1,0 +1,159 @@
+"""LLVM vector IR for the AVX2 kernels: types, x86 intrinsics and llama.cpp's reduction trees.
+
+The kernels that must round exactly as llama.cpp's AVX2 build does (kernels/cpu/qdot.py,
+kernels/cpu/attention.py) need shapes numba's auto-vectorizer does not produce: 8 int32 lanes of
+4-byte dot products (vpmaddubsw + vpmaddwd), fused multiply-adds in a fixed lane order, and
+horizontal sums in a fixed tree. So their hot loops are LLVM vector IR inside numba intrinsics,
+built from the helpers here. Target: x86-64 with AVX2, FMA and F16C.
+"""
+from __future__ import annotations
+
+from llvmlite import binding as _llvm, ir
+from numba import types
+from numba.core import cgutils
+
+_FEATURES = _llvm.get_host_cpu_features()
+HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
+
+i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+f16, f32, f64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+V32B = ir.VectorType(i8, 32)     # one 256-bit register of bytes
+V16S = ir.VectorType(i16, 16)    # ... of int16
+V8I = ir.VectorType(i32, 8)      # ... of int32
+V8F = ir.VectorType(f32, 8)      # ... of float32
+V8H = ir.VectorType(f16, 8)      # 128 bits of float16 (vcvtph2ps widens them to V8F)
+V16B = ir.VectorType(i8, 16)
+
+
+def c64(v: int) -> ir.Constant:
+    return ir.Constant(i64, v)
+
+
+def c32(v: int) -> ir.Constant:
+    return ir.Constant(i32, v)
+
+
+def vconst(vty, value) -> ir.Constant:
+    return ir.Constant(vty, [value] * vty.count)
+
+
+def call(builder, name: str, ret, args):
+    """Call LLVM intrinsic `name` (declared on first use)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def splat(builder, value, vty):
+    """A vector with `value` in every lane."""
+    undef = ir.Constant(vty, ir.Undefined)
+    v = builder.insert_element(undef, value, c32(0))
+    return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, vty.count), [0] * vty.count))
+
+
+def vload(builder, ptr, vty):
+    return builder.load(builder.bitcast(ptr, vty.as_pointer()), align=1)
+
+
+def vstore(builder, value, ptr):
+    builder.store(value, builder.bitcast(ptr, value.type.as_pointer()), align=1)
+
+
+def load_as(builder, ptr, ty, offset=0):
+    """Scalar of type `ty` at byte `offset` from an i8 pointer."""
+    p = builder.gep(ptr, [c64(offset)]) if isinstance(offset, int) else builder.gep(ptr, [offset])
+    return builder.load(builder.bitcast(p, ty.as_pointer()), align=1)
+
+
+def byte_ptr(builder, ptr):
+    return builder.bitcast(ptr, i8.as_pointer())
+
+
+def prefetch(builder, ptr):
+    """Software prefetch of the cache line at ptr into all cache levels (prefetcht0)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8.as_pointer()), c32(0), c32(3), c32(1)])
+
+
+def maddubs(builder, u8, s8):
+    """vpmaddubsw: u8 x s8 byte products, adjacent pairs summed into int16 (saturating; the callers'
+    value ranges never saturate)."""
+    return call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16S, [u8, s8])
+
+
+def madd16(builder, a, b):
+    """vpmaddwd: int16 x int16 products, adjacent pairs summed into int32."""
+    return call(builder, "llvm.x86.avx2.pmadd.wd", V8I, [a, b])
+
+
+def psign(builder, a, s):
+    """vpsignb: a negated where s < 0, zeroed where s == 0."""
+    return call(builder, "llvm.x86.avx2.psign.b", V32B, [a, s])
+
+
+def fma(builder, a, b, c):
+    """a * b + c with one rounding per lane (_mm256_fmadd_ps)."""
+    return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])
+
+
+def fma1(builder, a, b, c):
+    return call(builder, "llvm.fma.f32", f32, [a, b, c])
+
+
+def lanes(builder, v, n=8):
+    return [builder.extract_element(v, c32(k)) for k in range(n)]
+
+
+def hsum8(builder, v):
+    """hsum_float_8 (and tinyBLAS's hsum) of a V8F: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))."""
+    e = lanes(builder, v)
+    r = [builder.fadd(e[4 + k], e[k]) for k in range(4)]
+    return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
+
+
+def hsum8_vec(builder, accs):
+    """hsum8 of 8 vectors lane by lane (lane r of accs[k] is element k of output r): the same
+    tree, vectorized across 8 outputs."""
+    r = [builder.fadd(accs[4 + k], accs[k]) for k in range(4)]
+    return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
+
+
+def reduce4x8(builder, s):
+    """GGML_F32x8_REDUCE of ggml_vec_dot_f16's four accumulators: s0+s2, s1+s3, then their sum,
+    then t = lo + hi (4 lanes) and (t0+t1) + (t2+t3)."""
+    x0 = builder.fadd(s[0], s[2])
+    x1 = builder.fadd(s[1], s[3])
+    x0 = builder.fadd(x0, x1)
+    e = lanes(builder, x0)
+    t = [builder.fadd(e[k], e[k + 4]) for k in range(4)]
+    return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
+
+
+def nibbles_to_bytes(builder, qs16):
+    """16 packed bytes -> 32 bytes: low nibbles (elements 0..15), then high nibbles (16..31)
+    (llama.cpp's bytes_from_nibbles_32)."""
+    lo = builder.and_(qs16, vconst(V16B, 0x0F))
+    hi = builder.lshr(qs16, vconst(V16B, 4))
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+
+
+def bits_to_mask(builder, qh32):
+    """32 bits -> 32 bytes, byte e = 0xFF where bit e is set (llama.cpp's bytes_from_bits_32)."""
+    b4 = builder.bitcast(qh32, ir.VectorType(i8, 4))
+    spread = builder.shuffle_vector(b4, ir.Constant(ir.VectorType(i8, 4), ir.Undefined),
+                                    ir.Constant(ir.VectorType(i32, 32), [e // 8 for e in range(32)]))
+    bit = ir.Constant(V32B, [1 << (e % 8) for e in range(32)])
+    return builder.icmp_unsigned("!=", builder.and_(spread, bit), ir.Constant(V32B, [0] * 32))
+
+
+def array(context, builder, sig_arg, value):
+    """numba array struct of an intrinsic argument."""
+    return context.make_array(sig_arg)(context, builder, value)
+
+
+def as_i64(builder, v):
+    w = v.type.width
+    return builder.sext(v, i64) if w < 64 else (builder.trunc(v, i64) if w > 64 else v)
+
+
+VOID = types.void
