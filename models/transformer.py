@@ -12,12 +12,17 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
 
-from kernels.cpu.qdot import EXACT_TYPES, VEC_DOT_KIND, Int8Rows, exact_layout, run_arrays
+from kernels.cpu import fused
+from kernels.cpu.attention import _choose_splits, exact_head_dim
+from kernels.cpu.ops import _rms_norm_serial, gelu_table
+from kernels.cpu.qdot import (EXACT_TYPES, VEC_DOT_KIND, Int8Rows, Q8Row, exact_layout, exact_rows, matmul_into, q8_kind,
+                              run_arrays)
 from kernels.cpu import (QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, rope_table, swiglu,
                          write_kv)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
@@ -255,6 +260,13 @@ class Projections:
             if len(idx) > 1:
                 for k in idx:
                     self.members[k] = w.matrix(names[k], build_exact=False)
+        # member k's output: columns col0 .. col0 + n_rows of part p's output
+        self.where: list[tuple[int, int, int]] = []
+        for p, (_, idx) in enumerate(self.parts):
+            col0 = 0
+            for k in idx:
+                self.where.append((p, col0, self.members[k].n_rows))
+                col0 += self.members[k].n_rows
 
     def __call__(self, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict) -> list[np.ndarray]:
         if llama_rounding:
@@ -359,6 +371,75 @@ class Block:
             o = rms_norm(o, self.post_ffn_norm, self.cfg.norm_eps)
         return o
 
+    # --- one token, fused (see kernels.cpu.fused) ------------------------------------------------
+    def can_decode_one(self) -> bool:
+        mats = [*self.qkv.matrices(), self.wo, *self.gate_up.matrices(), self.w_down]
+        return (self.llama_rounding and self.softmax == "llama.cpp" and exact_head_dim(self.cfg.head_dim)
+                and all(m.exact is not None for m in mats))
+
+    def _buffers(self):
+        """Preallocated one-row buffers for decode_one."""
+        if getattr(self, "_bufs", None) is None:
+            cfg = self.cfg
+            D, hd, Hq, Hkv, F = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff
+            width = lambda m: exact_rows(m.exact, m.ggml_type)   # noqa: E731  (x8 layouts: padded)
+            empty = np.empty(0, np.float32)
+            self._bufs = SimpleNamespace(
+                h=np.empty((1, D), np.float32), row_d=Q8Row(D), row_o=Q8Row(Hq * hd), row_f=Q8Row(F),
+                qkv=[np.empty((1, width(m)), np.float32) for m in self.qkv.matrices()],
+                gate_up=[np.empty((1, width(m)), np.float32) for m in self.gate_up.matrices()],
+                o=np.empty((1, width(self.wo)), np.float32), down=np.empty((1, width(self.w_down)), np.float32),
+                q16=np.empty((1, Hq, hd), np.float32), kbuf=np.empty((1, Hkv, hd), np.float32),
+                att=np.empty((Hq, hd), np.float32), a=np.empty((1, F), np.float32),
+                bias=[b if b is not None else empty for b in (self.bq, self.bk, self.bv)],
+                qk_norm=[n if n is not None else empty for n in (self.q_norm, self.k_norm)],
+                q_scale=np.float32(cfg.attn_scale if cfg.scale_q else 1.0),
+                kq_scale=np.float32(1.0 if cfg.scale_q else cfg.attn_scale))
+        return self._bufs
+
+    def _project(self, proj: "Projections", row: Q8Row, outs: list) -> list[np.ndarray]:
+        """The members' outputs (1, n_rows) of a projection group for one quantized row."""
+        for (m, _), out in zip(proj.parts, outs):
+            fused.quantize_into(row.src, *row.args(q8_kind(m.ggml_type)))
+            matmul_into(m.exact, m.ggml_type, row, out)
+        return [outs[p][:, c0:c0 + n] for p, c0, n in proj.where]
+
+    def decode_one(self, x: np.ndarray, kv: KVView, pos: int, cs: np.ndarray) -> np.ndarray:
+        """One token x (1, D) at position pos -> (1, D): exactly the general path's arithmetic (and
+        bits), as a dozen direct kernel calls on preallocated buffers. cs: rope's cos/sin of pos."""
+        cfg, b = self.cfg, self._buffers()
+        hd = cfg.head_dim
+        b.row_d.src = b.h
+        _rms_norm_serial(x, self.attn_norm, np.float32(cfg.norm_eps), b.h)
+        q, k, v = self._project(self.qkv, b.row_d, b.qkv)                 # (1, Hq*hd), (1, Hkv*hd) x2
+        q = q.reshape(1, cfg.n_head, hd)
+        k, v = k.reshape(1, cfg.n_head_kv, hd), v.reshape(1, cfg.n_head_kv, hd)
+        kc, vc = kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16)
+        table = kv.block_table
+        fused.attn_inputs(q, k, v, *b.bias, *b.qk_norm, np.float32(cfg.norm_eps), cs, cfg.rope_neox, b.q_scale,
+                          kc, vc, table, pos, b.q16, b.kbuf)
+        n_kv = pos + 1
+        lo = max(0, n_kv - self.window) if self.window > 0 else 0
+        key0 = lo - lo % 32
+        n_splits = _choose_splits(n_kv - lo, cfg.n_head_kv, kc.shape[1])
+        S = np.empty((cfg.n_head, -(-(n_kv - key0) // 8) * 8), np.float32)
+        fused.attend_one(b.q16[0], kc, vc, table, lo, n_kv, -(-(n_kv - lo) // n_splits), key0, b.kq_scale, S, b.att)
+        fused.quantize_into(b.att.reshape(1, -1), *b.row_o.args(q8_kind(self.wo.ggml_type)))
+        matmul_into(self.wo.exact, self.wo.ggml_type, b.row_o, b.o)
+        o = b.o[:, :cfg.n_embd]
+        if self.post_attn_norm is not None:
+            _rms_norm_serial(o, self.post_attn_norm, np.float32(cfg.norm_eps), o)
+        x = x + o
+        _rms_norm_serial(x, self.ffn_norm, np.float32(cfg.norm_eps), b.h)
+        gate, up = self._project(self.gate_up, b.row_d, b.gate_up)
+        kind = q8_kind(self.w_down.ggml_type)
+        fused.act_quantize(gate, up, self.act is geglu_tanh, gelu_table(), b.a, *b.row_f.args(kind))
+        matmul_into(self.w_down.exact, self.w_down.ggml_type, b.row_f, b.down)
+        d = b.down[:, :cfg.n_embd]
+        if self.post_ffn_norm is not None:
+            _rms_norm_serial(d, self.post_ffn_norm, np.float32(cfg.norm_eps), d)
+        return x + d
+
     def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
         """rope_tables: the forward pass's rope_table per rope base, filled by the first layer using it.
         keep: (row indices, their RowPlan): after attention only these rows go on (the last layer,
@@ -388,6 +469,7 @@ class Decoder:
         self.output = w.matrix("output.weight") if "output.weight" in w else self.tok_embd
         self.nbytes = sum(m.nbytes for m in self._matrices())
         self.llama_rounding = True
+        self.fast_decode = True          # one-token steps through Block.decode_one (same numbers)
 
     def set_llama_rounding(self, on: bool) -> None:
         """True: round activations like llama.cpp (the default); False: exact float32 activations."""
@@ -419,9 +501,37 @@ class Decoder:
         logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment;
         vocab_limit: logits of the first vocab_limit tokens only."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.shape[0] == 1 and self._decode_one_ok():
+            logits = self._decode_one(int(tokens[0]), int(start_pos), kv, vocab_limit)
+            return logits if all_logits else logits[0]
         x, plan = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)], all_rows=all_logits)
         logits = self._logits(x, plan, vocab_limit)                       # (T or 1, n_vocab)
         return logits if all_logits else logits[0]
+
+    def _decode_one_ok(self) -> bool:
+        return (self.llama_rounding and self.output.exact is not None and self.fast_decode
+                and all(block.can_decode_one() for block in self.blocks))
+
+    def _decode_one(self, token: int, pos: int, kv: KVView, vocab_limit: int | None) -> np.ndarray:
+        """One token through Block.decode_one: the logits (1, n_vocab or vocab_limit), equal to the
+        general path's."""
+        x = self.tok_embd.rows(np.array([token]))                        # (1, D)
+        if self.cfg.embed_scale != 1.0:
+            x *= np.float32(self.cfg.embed_scale)
+        positions = np.array([pos], np.int64)
+        tables = {base: rope_table(positions, base, self.cfg.n_rot) for base in set(self.cfg.layer_rope_base)}
+        for block in self.blocks:
+            x = block.decode_one(x, kv, pos, tables[block.rope_base])
+        h = np.empty_like(x)
+        _rms_norm_serial(x, self.output_norm, np.float32(self.cfg.norm_eps), h)
+        out = self.output
+        n = out.n_rows if vocab_limit is None else min(int(vocab_limit), out.n_rows)
+        layout = out.exact[:n] if out.ggml_type == 14 else out.exact[:-(-n // 8)]
+        row = Q8Row(self.cfg.n_embd)
+        fused.quantize_into(h, *row.args(q8_kind(out.ggml_type)))
+        logits = np.empty((1, exact_rows(layout, out.ggml_type)), np.float32)
+        matmul_into(layout, out.ggml_type, row, logits)
+        return logits[:, :n]
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Several sequences in one pass (continuous batching): tokens (T,) in segment order, each

@@ -366,11 +366,17 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 _GELU_TABLE: np.ndarray | None = None
 
 
-def geglu_tanh(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gelu(gate) * up with ggml's tanh approximation of gelu, through its float16 table."""
+def gelu_table() -> np.ndarray:
+    """ggml's float16 GELU table (built on first use)."""
     global _GELU_TABLE
     if _GELU_TABLE is None:
         _GELU_TABLE = _gelu_f16_table()
+    return _GELU_TABLE
+
+
+def geglu_tanh(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu(gate) * up with ggml's tanh approximation of gelu, through its float16 table."""
+    gelu_table()
     g = np.ascontiguousarray(gate, np.float32)
     u = np.ascontiguousarray(up, np.float32)
     if g.shape != u.shape:

@@ -808,3 +808,39 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# --- one row into preallocated buffers (the decode step, models.transformer.Block.decode_one) ----
+ONE_ROW = run_arrays([(0, 1, False)])
+
+
+class Q8Row:
+    """One activation row's quantized forms for both vec-dot types, allocated once (decode)."""
+
+    def __init__(self, K: int):
+        self.K = K
+        self.xq = np.empty((1, K), np.int8)
+        self.dx0 = np.empty((1, K // 32), np.float32)
+        self.sx = np.empty((1, K // 4), np.int32)
+        self.dxk = np.empty((1, max(1, K // 256)), np.float32)
+        self.bs16 = np.empty((1, K // 16), np.int16)
+        self.bsp = np.empty((1, max(1, K // 64)), np.int32)
+
+    def args(self, kind: int):
+        """(kind, xq, dx, sx, bs16, bsp) for kernels.cpu.fused.quantize_into; kind 0 q8_0, 1 q8_K."""
+        return kind, self.xq, self.dx0 if kind == 0 else self.dxk, self.sx, self.bs16, self.bsp
+
+
+def q8_kind(ggml_type: int) -> int:
+    """0 (q8_0) or 1 (q8_K): the activation type llama.cpp quantizes to for this weight type."""
+    return 0 if VEC_DOT_KIND[ggml_type] == "q8_0" else 1
+
+
+def matmul_into(layout: np.ndarray, ggml_type: int, row: Q8Row, out: np.ndarray) -> None:
+    """matmul for one quantized row (its single-token arithmetic) into out (1, exact_rows(layout))."""
+    if ggml_type == 14:
+        _q6_k_rows(layout, row.xq, row.dxk, row.bs16, *ONE_ROW, out)
+    elif ggml_type == 12:
+        _q4_k_rows(layout, row.xq, row.dxk, row.bsp, *ONE_ROW, out)
+    else:
+        _q0_x8_rows(Q8_0_KIND if ggml_type == 8 else Q5_0_KIND, layout, row.xq, row.dx0, row.sx, out)

@@ -100,6 +100,15 @@ def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir, softmax="lla
     _check(prefill, ref, PREFILL_TOL, f"{arch} {qtype} prefill")
 
 
+def test_llamacpp_oracle_is_the_avx2_build():
+    """setup.sh builds llama.cpp for x86-64-v3 on every CPU: AVX-512 kernels sum in other orders,
+    and the bit-for-bit tests below compare with the AVX2 arithmetic."""
+    import llama_cpp
+    info = llama_cpp.llama_print_system_info().decode()
+    assert "AVX2 = 1" in info and "FMA = 1" in info and "F16C = 1" in info, info
+    assert "AVX512" not in info and "AMX" not in info, info
+
+
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_equals_llamacpp_bit_for_bit(arch, qtype, tiny_model):
@@ -108,8 +117,13 @@ def test_native_equals_llamacpp_bit_for_bit(arch, qtype, tiny_model):
     native = NativeBackend(g, tok, 256, 2)
     batched = native.logits_all(IDS)
     native.seq.release()
+    assert native.model._decode_one_ok()      # one-token steps take the fused decode path
     stepwise = np.stack([native._forward([t]) for t in IDS])
+    native.seq.release()
+    native.model.fast_decode = False          # ... which equals the general path bit for bit
+    general = np.stack([native._forward([t]) for t in IDS])
     native.close()
+    np.testing.assert_array_equal(stepwise, general)
     ll = LlamaCppBackend(g, tok, 256, 2, logits_all=True)
     try:
         ref_batched = ll.logits_all(IDS)
