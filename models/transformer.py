@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -21,8 +20,8 @@ import numpy as np
 from kernels.cpu import fused
 from kernels.cpu.attention import _choose_splits, exact_head_dim
 from kernels.cpu.ops import _rms_norm_serial, gelu_table
-from kernels.cpu.qdot import (EXACT_TYPES, VEC_DOT_KIND, Int8Rows, Q8Row, exact_layout, exact_rows, matmul_into, q8_kind,
-                              run_arrays)
+from kernels.cpu.qdot import (EXACT_TYPES, ONE_ROW, VEC_DOT_KIND, Int8Rows, Q8Row, exact_layout, exact_rows, matmul_into,
+                              q8_kind, run_arrays)
 from kernels.cpu import (QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, rope_table, swiglu,
                          write_kv)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
@@ -373,72 +372,62 @@ class Block:
 
     # --- one token, fused (see kernels.cpu.fused) ------------------------------------------------
     def can_decode_one(self) -> bool:
-        mats = [*self.qkv.matrices(), self.wo, *self.gate_up.matrices(), self.w_down]
-        return (self.llama_rounding and self.softmax == "llama.cpp" and exact_head_dim(self.cfg.head_dim)
-                and all(m.exact is not None for m in mats))
+        if getattr(self, "_exact_all", None) is None:
+            mats = [*self.qkv.matrices(), self.wo, *self.gate_up.matrices(), self.w_down]
+            self._exact_all = exact_head_dim(self.cfg.head_dim) and all(m.exact is not None for m in mats)
+        return self._exact_all and self.llama_rounding and self.softmax == "llama.cpp"
 
-    def _buffers(self):
-        """Preallocated one-row buffers for decode_one."""
-        if getattr(self, "_bufs", None) is None:
-            cfg = self.cfg
-            D, hd, Hq, Hkv, F = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff
-            width = lambda m: exact_rows(m.exact, m.ggml_type)   # noqa: E731  (x8 layouts: padded)
-            empty = np.empty(0, np.float32)
-            self._bufs = SimpleNamespace(
-                h=np.empty((1, D), np.float32), row_d=Q8Row(D), row_o=Q8Row(Hq * hd), row_f=Q8Row(F),
-                qkv=[np.empty((1, width(m)), np.float32) for m in self.qkv.matrices()],
-                gate_up=[np.empty((1, width(m)), np.float32) for m in self.gate_up.matrices()],
-                o=np.empty((1, width(self.wo)), np.float32), down=np.empty((1, width(self.w_down)), np.float32),
-                q16=np.empty((1, Hq, hd), np.float32), kbuf=np.empty((1, Hkv, hd), np.float32),
-                att=np.empty((Hq, hd), np.float32), a=np.empty((1, F), np.float32),
-                bias=[b if b is not None else empty for b in (self.bq, self.bk, self.bv)],
-                qk_norm=[n if n is not None else empty for n in (self.q_norm, self.k_norm)],
-                q_scale=np.float32(cfg.attn_scale if cfg.scale_q else 1.0),
-                kq_scale=np.float32(1.0 if cfg.scale_q else cfg.attn_scale))
-        return self._bufs
+    def _layer_args(self, kv: KVView) -> tuple:
+        """fused.decode_layer's arguments after the token's own: the weights, and one-row buffers
+        allocated once (rebuilt if the KV pool changes)."""
+        cached = getattr(self, "_args", None)
+        if cached is not None and cached[0] is kv.k_cache[self.il]:   # the pool (all sequences share it)
+            return cached[1]
+        cfg = self.cfg
+        D, hd, Hq, Hkv, F = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff
+        f32 = lambda *shape: np.empty(shape, np.float32)                       # noqa: E731
+        empty = f32(0)
+        out = lambda m: f32(1, exact_rows(m.exact, m.ggml_type))              # noqa: E731  (x8: padded rows)
 
-    def _project(self, proj: "Projections", row: Q8Row, outs: list) -> list[np.ndarray]:
-        """The members' outputs (1, n_rows) of a projection group for one quantized row."""
-        for (m, _), out in zip(proj.parts, outs):
-            fused.quantize_into(row.src, *row.args(q8_kind(m.ggml_type)))
-            matmul_into(m.exact, m.ggml_type, row, out)
-        return [outs[p][:, c0:c0 + n] for p, c0, n in proj.where]
+        def group(proj: Projections, n: int) -> list:
+            parts = [m for m, _ in proj.parts]
+            layouts = [m.exact for m in parts] + [parts[0].exact] * (n - len(parts))
+            types = np.array([m.ggml_type for m in parts] + [-1] * (n - len(parts)), np.int64)
+            outs = [out(m) for m in parts] + [f32(1, 1)] * (n - len(parts))
+            return [*layouts, types, np.array(proj.where, np.int64), *outs]
+
+        def q8(K: int) -> list:
+            r = Q8Row(K)
+            return [r.xq, r.dx0, r.sx, r.dxk, r.bs16, r.bsp]
+
+        opt = lambda v: v if v is not None else empty                          # noqa: E731
+        args = (np.float32(cfg.norm_eps), self.attn_norm, self.ffn_norm, opt(self.post_attn_norm),
+                opt(self.post_ffn_norm),
+                *group(self.qkv, 3),
+                opt(self.bq), opt(self.bk), opt(self.bv), opt(self.q_norm), opt(self.k_norm), cfg.rope_neox,
+                np.float32(cfg.attn_scale if cfg.scale_q else 1.0), np.float32(1.0 if cfg.scale_q else cfg.attn_scale),
+                kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16),
+                None, f32(1, Hq, hd), f32(1, Hkv, hd), f32(Hq, hd),             # None: the block table
+                self.wo.exact, self.wo.ggml_type, out(self.wo),
+                *group(self.gate_up, 2),
+                self.act is geglu_tanh, gelu_table(), f32(1, F),
+                self.w_down.exact, self.w_down.ggml_type, out(self.w_down), f32(1, D),
+                *q8(D), *q8(Hq * hd), *q8(F), *ONE_ROW)
+        table_arg = next(i for i, a in enumerate(args) if a is None)
+        self._args = (kv.k_cache[self.il], (args, table_arg))
+        return args, table_arg
 
     def decode_one(self, x: np.ndarray, kv: KVView, pos: int, cs: np.ndarray) -> np.ndarray:
-        """One token x (1, D) at position pos -> (1, D): exactly the general path's arithmetic (and
-        bits), as a dozen direct kernel calls on preallocated buffers. cs: rope's cos/sin of pos."""
-        cfg, b = self.cfg, self._buffers()
-        hd = cfg.head_dim
-        b.row_d.src = b.h
-        _rms_norm_serial(x, self.attn_norm, np.float32(cfg.norm_eps), b.h)
-        q, k, v = self._project(self.qkv, b.row_d, b.qkv)                 # (1, Hq*hd), (1, Hkv*hd) x2
-        q = q.reshape(1, cfg.n_head, hd)
-        k, v = k.reshape(1, cfg.n_head_kv, hd), v.reshape(1, cfg.n_head_kv, hd)
-        kc, vc = kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16)
-        table = kv.block_table
-        fused.attn_inputs(q, k, v, *b.bias, *b.qk_norm, np.float32(cfg.norm_eps), cs, cfg.rope_neox, b.q_scale,
-                          kc, vc, table, pos, b.q16, b.kbuf)
+        """One token x (1, D) at position pos, in place: exactly the general path's arithmetic (and
+        bits), as one compiled call (kernels.cpu.fused.decode_layer). cs: rope's cos/sin of pos."""
+        args, table_arg = self._layer_args(kv)
+        args = list(args)
+        args[table_arg] = kv.block_table
         n_kv = pos + 1
         lo = max(0, n_kv - self.window) if self.window > 0 else 0
-        key0 = lo - lo % 32
-        n_splits = _choose_splits(n_kv - lo, cfg.n_head_kv, kc.shape[1])
-        S = np.empty((cfg.n_head, -(-(n_kv - key0) // 8) * 8), np.float32)
-        fused.attend_one(b.q16[0], kc, vc, table, lo, n_kv, -(-(n_kv - lo) // n_splits), key0, b.kq_scale, S, b.att)
-        fused.quantize_into(b.att.reshape(1, -1), *b.row_o.args(q8_kind(self.wo.ggml_type)))
-        matmul_into(self.wo.exact, self.wo.ggml_type, b.row_o, b.o)
-        o = b.o[:, :cfg.n_embd]
-        if self.post_attn_norm is not None:
-            _rms_norm_serial(o, self.post_attn_norm, np.float32(cfg.norm_eps), o)
-        x = x + o
-        _rms_norm_serial(x, self.ffn_norm, np.float32(cfg.norm_eps), b.h)
-        gate, up = self._project(self.gate_up, b.row_d, b.gate_up)
-        kind = q8_kind(self.w_down.ggml_type)
-        fused.act_quantize(gate, up, self.act is geglu_tanh, gelu_table(), b.a, *b.row_f.args(kind))
-        matmul_into(self.w_down.exact, self.w_down.ggml_type, b.row_f, b.down)
-        d = b.down[:, :cfg.n_embd]
-        if self.post_ffn_norm is not None:
-            _rms_norm_serial(d, self.post_ffn_norm, np.float32(cfg.norm_eps), d)
-        return x + d
+        n_splits = _choose_splits(n_kv - lo, self.cfg.n_head_kv, kv.k_cache[self.il].shape[1])
+        fused.decode_layer(x, pos, cs, lo, -(-(n_kv - lo) // n_splits), lo - lo % 32, *args)
+        return x
 
     def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
         """rope_tables: the forward pass's rope_table per rope base, filled by the first layer using it.
