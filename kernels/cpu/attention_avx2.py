@@ -62,6 +62,7 @@ def _tb_kernel(RM: int, RN: int, b_f16: bool):
 # scores: A = the tile's queries, B = the K cache rows (float16); P.V: A = probabilities, B = V^T.
 tb_2x4_f16, tb_1x4_f16, tb_2x1_f16, tb_1x1_f16 = (_tb_kernel(m, n, True) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
 tb_2x4_f32, tb_1x4_f32, tb_2x1_f32, tb_1x1_f32 = (_tb_kernel(m, n, False) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
+tb_4x3_f32 = _tb_kernel(4, 3, False)
 
 
 @intrinsic
@@ -113,6 +114,40 @@ def vd_pv_residue(typingctx, p, ip, vf, block_table, bs, head_off, kstride, key0
                 builder.store(fma(builder, pv, vv, builder.load(regs[v])), regs[v])
         for v in range(8):
             vstore(builder, builder.load(regs[v]), builder.gep(aa.data, [builder.add(iacc, c64(8 * v))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _shuffle8(builder, a, b, mask):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
+
+
+@intrinsic
+def widen_transpose8(typingctx, src, isrc, stride, dst, idst, ld):
+    """dst[idst + e*ld + k] = float32(src[isrc + k*stride + e]) for k, e < 8: an 8 x 8 block of
+    float16 bits (8 rows of 8 consecutive elements, `stride` apart) widened and transposed, with
+    unpack / shuffle / 128-bit permute steps (the V^T of 8 keys x 8 head dims for P@V)."""
+    sig = types.void(src, isrc, stride, dst, idst, ld)
+
+    def codegen(context, builder, signature, args):
+        sa, da = array(context, builder, signature.args[0], args[0]), array(context, builder, signature.args[3], args[3])
+        isrc, stride, idst, ld = (as_i64(builder, args[k]) for k in (1, 2, 4, 5))
+        sdata = builder.bitcast(sa.data, ir.HalfType().as_pointer())
+        r = [_load8(builder, sdata, builder.add(isrc, builder.mul(c64(k), stride)), True) for k in range(8)]
+        a = []
+        for k in range(0, 8, 2):       # a: pairs of rows interleaved (unpacklo / unpackhi)
+            a += [_shuffle8(builder, r[k], r[k + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+                  _shuffle8(builder, r[k], r[k + 1], [2, 10, 3, 11, 6, 14, 7, 15])]
+        b = []
+        for k in (0, 4):               # b: 4 rows' elements e and e + 4 in each 128-bit half
+            for u in (0, 1):
+                b += [_shuffle8(builder, a[k + u], a[k + 2 + u], [0, 1, 8, 9, 4, 5, 12, 13]),
+                      _shuffle8(builder, a[k + u], a[k + 2 + u], [2, 3, 10, 11, 6, 7, 14, 15])]
+        for e in range(8):             # column e: rows 0..3 from b[e % 4], rows 4..7 from b[4 + e % 4]
+            half = [0, 1, 2, 3, 8, 9, 10, 11] if e < 4 else [4, 5, 6, 7, 12, 13, 14, 15]
+            col = _shuffle8(builder, b[e % 4], b[4 + e % 4], half)
+            vstore(builder, col, builder.gep(da.data, [builder.add(idst, builder.mul(c64(e), ld))]))
         return context.get_dummy_value()
 
     return sig, codegen
