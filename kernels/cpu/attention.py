@@ -29,7 +29,7 @@ from kernels.cpu.attention_online import (decode_partial, decode_partial_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu import ops
 from kernels.cpu.attention_avx2 import (tb_1x1_f16, tb_1x1_f32, tb_1x4_f16, tb_1x4_f32, tb_2x1_f16, tb_2x1_f32,
-                                        tb_2x4_f16, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_residue, widen_transpose8)
+                                        tb_2x4_f16, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_residue, scale_max8, widen_transpose8)
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin
 from kernels.cpu.quant import round_f16
 
@@ -72,12 +72,22 @@ def _softmax_row(S, i0, n, key0, lo, hi, scale):
     (key0 % 8 == 0); keys outside [lo, hi] are masked. x = s * scale (-inf where masked), e =
     ggml_expf(x - max), the sum in float64 of each 8-key chunk's hsum_float_8, then every entry
     becomes float16(e * float32(1 / sum)) (the rounding of the float16 product that follows)."""
+    a = min(max(lo - key0, 0), n)                  # visible: S[i0 + a : i0 + b]
+    b = max(min(hi - key0 + 1, n), a)
+    a8 = min((a + 7) // 8 * 8, b)                   # [a8, b8): whole 8-lane steps
+    b8 = max(a8, b // 8 * 8)
     m = np.float32(-np.inf)
-    for jj in range(n):
-        j = key0 + jj
-        x = S[i0 + jj] * scale if lo <= j <= hi else np.float32(-np.inf)
-        S[i0 + jj] = x
-        m = max(m, x)
+    for jj in range(a, a8):
+        S[i0 + jj] *= scale
+        m = max(m, S[i0 + jj])
+    m = scale_max8(S, i0 + a8, b8 - a8, scale, m)
+    for jj in range(b8, b):
+        S[i0 + jj] *= scale
+        m = max(m, S[i0 + jj])
+    for jj in range(a):
+        S[i0 + jj] = np.float32(-np.inf)
+    for jj in range(b, n):
+        S[i0 + jj] = np.float32(-np.inf)
     for jj in range(n):
         S[i0 + jj] = ggml_expf(S[i0 + jj] - m)
     tot = 0.0

@@ -16,7 +16,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import V8F, V8H, array, as_i64, c64, fma, hsum8, reduce4x8, splat, vload, vstore
+from kernels.cpu.simd import V8F, V8H, array, as_i64, c32, c64, fma, hsum8, reduce4x8, splat, vload, vstore
 
 
 def _load8(builder, base, idx, is_f16):
@@ -149,5 +149,31 @@ def widen_transpose8(typingctx, src, isrc, stride, dst, idst, ld):
             col = _shuffle8(builder, b[e % 4], b[4 + e % 4], half)
             vstore(builder, col, builder.gep(da.data, [builder.add(idst, builder.mul(c64(e), ld))]))
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def scale_max8(typingctx, S, i0, n, scale, m):
+    """S[i0 : i0+n] *= scale (float32 products, in place), returning max(m, the products); n % 8 == 0.
+    Eight lanes of running maxima (max is exact in any order; the scores are finite)."""
+    sig = types.float32(S, i0, n, scale, m)
+
+    def codegen(context, builder, signature, args):
+        sa = array(context, builder, signature.args[0], args[0])
+        i0, n = as_i64(builder, args[1]), as_i64(builder, args[2])
+        sv = splat(builder, args[3], V8F)
+        run = cgutils.alloca_once_value(builder, splat(builder, args[4], V8F))
+        with cgutils.for_range_slice(builder, c64(0), n, c64(8)) as (c, _):
+            p = builder.gep(sa.data, [builder.add(i0, c)])
+            x = builder.fmul(vload(builder, p, V8F), sv)
+            vstore(builder, x, p)
+            cur = builder.load(run)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, cur), x, cur), run)
+        v = builder.load(run)
+        e = [builder.extract_element(v, c32(k)) for k in range(8)]
+        while len(e) > 1:
+            e = [builder.select(builder.fcmp_ordered(">", e[k], e[k + 1]), e[k], e[k + 1]) for k in range(0, len(e), 2)]
+        return e[0]
 
     return sig, codegen
