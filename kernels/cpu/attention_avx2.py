@@ -25,6 +25,26 @@ def _load8(builder, base, idx, is_f16):
     return builder.fpext(vload(builder, p, V8H), V8F) if is_f16 else vload(builder, p, V8F)
 
 
+def _shuffle8(builder, a, b, mask):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
+
+
+def _hsum8_x8(builder, accs):
+    """hsum8 of 8 vectors at once -> one vector (lane k: hsum8(accs[k])), with the same adds:
+    r = hi + lo half, then (r0 + r2) + (r1 + r3), computed on vectors that hold several outputs'
+    partial sums after 128-bit permutes and in-lane shuffles (fewer shuffles than 8 separate hsums)."""
+    u = [builder.fadd(_shuffle8(builder, accs[k], accs[k + 1], [4, 5, 6, 7, 12, 13, 14, 15]),
+                      _shuffle8(builder, accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11])) for k in range(0, 8, 2)]
+    # u[p]: [r0..r3 of accs[2p] | r0..r3 of accs[2p+1]]
+    w = [builder.fadd(_shuffle8(builder, u[k], u[k + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
+                      _shuffle8(builder, u[k], u[k + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for k in (0, 2)]
+    # w[0]: [r0+r2, r1+r3 of accs 0, 2 | of accs 1, 3]; w[1]: the same for accs 4, 6 | 5, 7
+    x = builder.fadd(_shuffle8(builder, w[0], w[1], [0, 2, 8, 10, 4, 6, 12, 14]),
+                     _shuffle8(builder, w[0], w[1], [1, 3, 9, 11, 5, 7, 13, 15]))
+    # x: accs 0, 2, 4, 6 | 1, 3, 5, 7
+    return _shuffle8(builder, x, x, [0, 4, 1, 5, 2, 6, 3, 7])
+
+
 def _tb_kernel(RM: int, RN: int, b_f16: bool):
     """kern(A, ia, lda, B, ib, ldb, L, C, ic, ldc): C[ic + i*ldc + j] = tinyBLAS dot of row i of A
     (A[ia + i*lda : +L]) and row j of B (B[ib + j*ldb : +L]) for i < RM, j < RN; L % 8 == 0.
@@ -47,6 +67,14 @@ def _tb_kernel(RM: int, RN: int, b_f16: bool):
                 for i in range(RM):
                     for j in range(RN):
                         builder.store(fma(builder, av[i], bv[j], builder.load(acc[i][j])), acc[i][j])
+            if (RM, RN) == (2, 4):
+                sums = _hsum8_x8(builder, [builder.load(acc[i][j]) for i in range(RM) for j in range(RN)])
+                for i in range(RM):
+                    row = builder.shuffle_vector(sums, sums, ir.Constant(ir.VectorType(ir.IntType(32), 4),
+                                                                         list(range(4 * i, 4 * i + 4))))
+                    ptr = builder.gep(ca.data, [builder.add(ic, builder.mul(c64(i), ldc))])
+                    builder.store(row, builder.bitcast(ptr, row.type.as_pointer()), align=1)
+                return context.get_dummy_value()
             for i in range(RM):
                 for j in range(RN):
                     idx = builder.add(ic, builder.add(builder.mul(c64(i), ldc), c64(j)))
@@ -117,10 +145,6 @@ def vd_pv_residue(typingctx, p, ip, vf, block_table, bs, head_off, kstride, key0
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _shuffle8(builder, a, b, mask):
-    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
 
 
 @intrinsic

@@ -63,6 +63,8 @@ PREFILL_CASES = [
     (20, 5, 4, 2, 40, 16, 0),      # head_dim not a multiple of 16
     (150, 0, 4, 1, 256, 16, 0),    # gemma's shape: 3 query tiles, paired first-with-last
     (300, 7, 4, 1, 64, 16, 32),    # 5 tiles paired, with a window
+    (37, 5, 6, 2, 64, 4, 0),       # blocks smaller than an 8-key chunk: V^T key by key
+    (90, 60, 14, 2, 64, 16, 0),    # a new turn after a long history: 4-row P.V groups and their rest
 ]
 
 
