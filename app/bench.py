@@ -115,15 +115,15 @@ def bench_multiturn(engine, reps: int, new_tokens: int = 20, history_tokens: int
             "ttft_recompute_ms": statistics.fmean(cold)}
 
 
-def bench_speculative(engine, reps: int, n_gen: int, draft_n: int = 3, draft_model: str | None = None) -> dict:
+def bench_speculative(engine, reps: int, n_gen: int, draft_n: int | None = None, draft_model: str | None = None) -> dict:
     """Decode tokens/s on an input-grounded prompt (greedy): plain, prompt lookup and, with
     draft_model, a draft model. Every speculative run must give the plain run's tokens."""
     from core.backend import SamplingParams, SpeculativeConfig
     ids = engine.prompt_ids(SPECULATIVE_PROMPT)
     params = SamplingParams(temperature=0, max_tokens=n_gen)
-    configs = {"plain": None, "lookup": SpeculativeConfig("lookup", draft_n)}
+    configs = {"plain": None, "lookup": SpeculativeConfig("lookup", draft_n).validate()}
     if draft_model:
-        configs["draft"] = SpeculativeConfig("draft", draft_n, draft_model)
+        configs["draft"] = SpeculativeConfig("draft", draft_n, draft_model).validate()
         list(engine.generate(ids[:8], SamplingParams(temperature=0, max_tokens=2), speculative=configs["draft"]))
     speed = {k: [] for k in configs}
     drafted = {k: 0 for k in configs}

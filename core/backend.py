@@ -100,18 +100,27 @@ class Timings:
 SPECULATIVE_METHODS = ("off", "lookup", "draft")
 
 
+# Most tokens drafted per check by default: prompt lookup adapts its length up to this (see
+# core.speculative.LookupDrafter); a draft model pays a forward pass of its own per token.
+DEFAULT_DRAFT_N = {"off": 1, "lookup": 7, "draft": 3}
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "off"            # off | lookup | draft
-    draft_n: int = 3               # tokens drafted per verification pass
+    draft_n: int | None = None     # most tokens drafted per verification pass; None = the method's default
     draft_model: str | None = None # registry name or path of the draft model (method "draft")
+
+    @property
+    def max_draft(self) -> int:
+        return DEFAULT_DRAFT_N.get(self.method, 1) if self.draft_n is None else self.draft_n
 
     def validate(self) -> "SpeculativeConfig":
         if self.method not in SPECULATIVE_METHODS:
             raise BadInputError(f"unknown speculative method '{self.method}' ({', '.join(SPECULATIVE_METHODS)})")
         if self.method == "draft" and not self.draft_model:
             raise BadInputError("--speculative draft needs --draft-model (e.g. qwen2.5-coder-0.5b-instruct)")
-        if not 1 <= self.draft_n <= 7:   # 1 + 7 tokens per check stay on the one-token kernels
+        if not 1 <= self.max_draft <= 7:   # 1 + 7 tokens per check stay on the one-token kernels
             raise BadInputError("--draft-n must be between 1 and 7")
         return self
 

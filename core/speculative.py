@@ -20,7 +20,9 @@ import numpy as np
 
 from core.sampler import Sampler
 
-MAX_NGRAM = 3
+# Suffix n-grams up to this long are looked up, longest first (a longer match predicts better: on
+# the code-rewrite benchmark 5 beats 3).
+MAX_NGRAM = 5
 # A draft model stops drafting when its own probability for the next token falls below this.
 DRAFT_MIN_P = 0.5
 # A draft model scores only the first DRAFT_VOCAB tokens of its vocabulary. Its output matrix is a
@@ -45,8 +47,21 @@ def lookup_draft(history: Sequence[int], draft_n: int, max_ngram: int = MAX_NGRA
 
 
 class LookupDrafter:
+    """Prompt lookup with an adaptive length: one token after a miss, twice as many after a check
+    that accepted the whole draft (up to the caller's limit). Inside a span the answer copies, drafts
+    grow and most tokens come several per check; where the answer departs from its input, a short
+    draft wastes little of the check. (A replay of the code-rewrite benchmark's greedy answer: 1.58x
+    against 1.39x for three tokens every time, same cost per verified row.)"""
+
+    def __init__(self):
+        self.length = 1
+
     def propose(self, history: Sequence[int], n: int) -> list[int]:
-        return lookup_draft(history, n)
+        return lookup_draft(history, min(self.length, n))
+
+    def result(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.length = min(2 * self.length, 64) if accepted == drafted else 1
 
     def keep(self, n_tokens: int) -> None:
         pass
@@ -86,6 +101,9 @@ class ModelDrafter:
         z = logits.astype(np.float64) - float(logits[best])
         return float(1.0 / np.exp(z).sum())
 
+    def result(self, drafted: int, accepted: int) -> None:
+        pass
+
     def keep(self, n_tokens: int) -> None:
         """The target kept n_tokens of history; drop the draft's rejected tokens beyond them."""
         if self.fed > n_tokens:
@@ -105,7 +123,7 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
         yield token
         history.append(token)
         room = backend.n_ctx - stats.n_past - 2                 # keep one slot for the bonus token
-        draft = drafter.propose(history, min(config.draft_n, room)) if room > 0 else []
+        draft = drafter.propose(history, min(config.max_draft, room)) if room > 0 else []
         base = stats.n_past
         rows = backend._forward_all([token] + draft)            # (1 + len(draft), n_vocab)
         accepted = 0
@@ -121,6 +139,7 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
             token = sampler.sample(rows[len(draft)])            # the bonus token after a full accept
         stats.spec_drafted += len(draft)
         stats.spec_accepted += accepted
+        drafter.result(len(draft), accepted)
         keep = base + 1 + accepted
         if keep < base + 1 + len(draft):
             backend._rollback(keep)

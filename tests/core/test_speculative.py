@@ -5,7 +5,7 @@ import pytest
 from core.backend import SamplingParams, SpeculativeConfig
 from core.engine import Engine
 from core.sampler import Sampler
-from core.speculative import lookup_draft
+from core.speculative import LookupDrafter, lookup_draft
 from models.errors import BadInputError
 
 
@@ -15,6 +15,26 @@ def test_lookup_draft_uses_the_latest_longest_match():
     assert lookup_draft([5, 6, 7, 8, 6], 2) == [7, 8]     # falls back to a 1-gram
     assert lookup_draft([1, 2, 3], 3) == []               # nothing repeats
     assert lookup_draft([4, 4], 5) == [4]
+
+
+def test_lookup_draft_length_grows_after_full_accepts_and_drops_after_a_miss():
+    history = list(range(20)) * 2 + [0]                   # "0" was followed by 1, 2, 3, ...
+    drafter = LookupDrafter()
+    lengths = []
+    for drafted_ok in (True, True, True, True, False, True):
+        draft = drafter.propose(history, 7)
+        lengths.append(len(draft))
+        drafter.result(len(draft), len(draft) if drafted_ok else 0)
+    assert lengths == [1, 2, 4, 7, 7, 1]                  # doubling, capped by the caller's limit; a miss resets
+    assert drafter.propose(history, 7) == [1, 2]
+    drafter.result(0, 0)                                  # no draft (no match): the length stays
+    assert len(drafter.propose(history, 7)) == 2
+
+
+def test_draft_n_defaults_per_method():
+    assert SpeculativeConfig("lookup").validate().max_draft == 7
+    assert SpeculativeConfig("draft", draft_model="m").validate().max_draft == 3
+    assert SpeculativeConfig("lookup", 2).validate().max_draft == 2
 
 
 def test_sampled_verification_keeps_the_target_distribution():
