@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -22,8 +22,8 @@ from kernels.cpu.attention import _choose_splits, exact_head_dim
 from kernels.cpu.ops import _rms_norm_serial, gelu_table
 from kernels.cpu.qdot import (EXACT_TYPES, ONE_ROW, VEC_DOT_KIND, Int8Rows, Q8Row, exact_layout, exact_rows, matmul_into,
                               q8_kind, run_arrays)
-from kernels.cpu import (QMatrix, attention_decode, attention_prefill, geglu_tanh, rms_norm, rope, rope_table, swiglu,
-                         write_kv)
+from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
+                         rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
@@ -192,6 +192,7 @@ class RowPlan:
     numbers whatever else shares the pass."""
     spans: tuple
     runs: tuple             # as qdot.run_arrays gives them
+    attn: "AttentionRows | None" = None
 
     @staticmethod
     def of(segments: Sequence[Segment]) -> "RowPlan":
@@ -207,6 +208,40 @@ class RowPlan:
             runs.append((row, n, not decode_rows))
             row += n
         return RowPlan(tuple(spans), run_arrays(runs))
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """Where a forward pass's rows go in attention, worked out once for all layers when every
+    segment uses the same cache arrays (a batch step, a speculative check): each row's cache cell,
+    and the decode rows (attention_decode_rows: all of them in one kernel call, not one call per row
+    and layer) with their block tables and key counts."""
+    slots: np.ndarray         # (T,) int64 cache cell of each row's K and V
+    decode: np.ndarray        # (R,) int64 rows that take the one-token arithmetic
+    tables: np.ndarray        # (R, max blocks) int32 their sequences' block tables, zero-padded
+    n_kvs: np.ndarray         # (R,) int64 keys each sees (its position + 1)
+
+    @staticmethod
+    def of(segments: Sequence[Segment]) -> "AttentionRows | None":
+        first = segments[0][0]
+        if any(kv.k_cache is not first.k_cache or kv.v_cache is not first.v_cache for kv, _, _, _ in segments):
+            return None
+        bs = first.k_cache[0].shape[1]
+        slots, decode, tables, n_kvs = [], [], [], []
+        row = 0
+        for kv, start, n, decode_rows in segments:
+            table = kv.block_table
+            slots.append(block_slots(table, start, n, bs))
+            if decode_rows:
+                decode.extend(range(row, row + n))
+                tables.extend([table] * n)
+                n_kvs.extend(range(start + 1, start + n + 1))
+            row += n
+        width = max((len(t) for t in tables), default=0)
+        padded = np.zeros((len(tables), width), np.int32)
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = t
+        return AttentionRows(np.concatenate(slots), np.array(decode, np.int64), padded, np.array(n_kvs, np.int64))
 
 
 def _mm(w: QMatrix, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict | None = None,
@@ -341,11 +376,24 @@ class Block:
         if self.llama_rounding:  # llama.cpp multiplies K by an f16 copy of Q (K and V: the f16 cache)
             q = round_to_f16(q)
         o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
+        rows_plan = plan.attn
+        if rows_plan is not None:
+            kc, vc = segments[0][0].k_cache[self.il], segments[0][0].v_cache[self.il]
+            write_kv_slots(kc, vc, rows_plan.slots, k, v)
+            # two decode rows or more in one call (one row keeps attention_decode's split over keys)
+            together = (rows_plan.decode.shape[0] > 1 and self.softmax == "llama.cpp" and exact_head_dim(hd))
+            if together:
+                idx = rows_plan.decode
+                o[idx] = attention_decode_rows(q[idx], kc, vc, rows_plan.tables, rows_plan.n_kvs, scale, self.window)
         row = 0
         for kv, start_pos, n, decode_rows in segments:  # each sequence attends to its own paged cache
             kc, vc, table = kv.k_cache[self.il], kv.v_cache[self.il], kv.block_table
             rows = slice(row, row + n)
-            write_kv(kc, vc, table, start_pos, np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows]))
+            if rows_plan is None:
+                write_kv(kc, vc, table, start_pos, np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows]))
+            elif decode_rows and together:
+                row += n
+                continue
             if decode_rows:  # the one-token kernel row by row: a speculative check sees decode's numbers
                 for i in range(n):
                     o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, scale,
@@ -540,7 +588,7 @@ class Decoder:
         if sum(n for _, _, n, _ in segments) != tokens.shape[0] or any(n < 1 for _, _, n, _ in segments):
             raise ValueError("segments must cover the tokens, each with at least one")
         positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for _, s, n, _ in segments])
-        plan = RowPlan.of(segments)
+        plan = replace(RowPlan.of(segments), attn=AttentionRows.of(segments))
         ends = np.cumsum([n for _, _, n, _ in segments])
         if all_rows:
             keep = (np.arange(tokens.shape[0]), plan)

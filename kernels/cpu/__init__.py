@@ -1,5 +1,6 @@
 """CPU kernels (numba): GGML dequantization, quantized GEMV/GEMM, norms/rope/activations, paged flash attention."""
-from kernels.cpu.attention import attention_decode, attention_prefill, write_kv
+from kernels.cpu.attention import (attention_decode, attention_decode_rows, attention_prefill, block_slots, write_kv,
+                                  write_kv_slots)
 from kernels.cpu.matmul import QMatrix
 from kernels.cpu.ops import geglu_tanh, rms_norm, rope, rope_table, softmax, swiglu
 from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES, dequantize
@@ -7,5 +8,5 @@ from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES, dequantize
 __all__ = [
     "GGML_BLOCK", "SUPPORTED_TYPES", "dequantize", "QMatrix",
     "rms_norm", "rope", "rope_table", "swiglu", "geglu_tanh", "softmax",
-    "write_kv", "attention_prefill", "attention_decode",
+    "write_kv", "write_kv_slots", "block_slots", "attention_prefill", "attention_decode", "attention_decode_rows",
 ]

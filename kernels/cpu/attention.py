@@ -64,6 +64,41 @@ def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
            int(start_pos), np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
 
 
+@njit(parallel=True, cache=True, error_model="numpy")
+def _write_kv_slots(k_cache, v_cache, slots, k, v):
+    """k, v (T, Hkv, hd) float32 -> the float16 cache cells slots[t] (physical block * bs + offset)."""
+    bs = k_cache.shape[1]
+    for t in prange(k.shape[0]):
+        blk, off = slots[t] // bs, slots[t] % bs
+        for h in range(k.shape[1]):
+            for e in range(k.shape[2]):
+                k_cache[blk, off, h, e] = f16_bits(k[t, h, e])
+                v_cache[blk, off, h, e] = f16_bits(v[t, h, e])
+
+
+_write_kv_slots_serial = serial_twin(_write_kv_slots)
+
+
+def write_kv_slots(k_cache, v_cache, slots, k, v) -> None:
+    """Store k, v (T, Hkv, hd), rounded to float16, in the cache cells `slots` (T,) (block_slots gives
+    them): the rows of several sequences in one call."""
+    if k.shape[0] != slots.shape[0]:
+        raise ValueError(f"{k.shape[0]} rows for {slots.shape[0]} slots")
+    if k_cache.dtype != np.float16 or v_cache.dtype != np.float16:
+        raise TypeError(f"KV cache must be float16, got {k_cache.dtype} / {v_cache.dtype}")
+    kernel = pick(_write_kv_slots, _write_kv_slots_serial, k.size)
+    kernel(k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(slots, np.int64),
+           np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
+
+
+def block_slots(block_table, start_pos: int, n: int, block_size: int) -> np.ndarray:
+    """The cache cells (physical block * block_size + offset) of positions start_pos .. start_pos+n-1."""
+    pos = np.arange(start_pos, start_pos + n, dtype=np.int64)
+    if n and (start_pos + n - 1) // block_size >= len(block_table):
+        raise ValueError(f"positions up to {start_pos + n - 1} need more than {len(block_table)} blocks")
+    return np.asarray(block_table, np.int64)[pos // block_size] * block_size + pos % block_size
+
+
 # No fastmath here nor in any caller: numba compiles a function called from a fastmath function
 # with the caller's flags (measured: reassociated sums), and these roundings are llama.cpp's.
 @njit(cache=True, error_model="numpy", inline="always")
@@ -369,6 +404,77 @@ def _decode_pv(P, v_cache, block_table, key0, hi, out):
 _decode_scores_serial = serial_twin(_decode_scores)
 _decode_softmax_serial = serial_twin(_decode_softmax)
 _decode_pv_serial = serial_twin(_decode_pv)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, out):
+    """Many one-token queries at once, each over its own sequence's cache: query r (row r of q, at
+    position n_kvs[r] - 1, block table tables[r]) gets exactly attention_decode's numbers (the same
+    vd_dot scores, _softmax_row and vd_pv_residue chains; only the work is split differently: one
+    item per (query, kv head)). Why: a batch step with 32 sequences otherwise pays 32 x 3 kernel
+    launches per layer, most of the step for short contexts."""
+    R, Hq, hd = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    kf = k_cache.reshape(-1)
+    vf = v_cache.reshape(-1)
+    qf = q.reshape(-1)
+    kstride = Hkv * hd
+    G = Hq // Hkv
+    for w in prange(R * Hkv):
+        r = w // Hkv
+        kvh = w % Hkv
+        hi = n_kvs[r]
+        lo = max(0, hi - window) if window > 0 else 0
+        key0 = lo - lo % 32
+        width = (hi - key0 + 7) // 8 * 8
+        table = tables[r]
+        S = np.empty((G, width), np.float32)
+        for j in range(lo, hi):
+            base = (table[j // bs] * bs + j % bs) * kstride + kvh * hd
+            for g in range(G):
+                S[g, j - key0] = vd_dot(qf, (r * Hq + kvh * G + g) * hd, kf, base, hd)
+        _softmax_rows(S.reshape(-1), G, width, key0, np.full(G, lo, np.int64), np.full(G, hi - 1, np.int64), scale)
+        acc = np.empty(32 * 64, np.float32)
+        x = np.empty(8, np.float32)
+        for g in range(G):
+            h = kvh * G + g
+            prow = S[g]
+            for e0 in range(0, hd, 64):
+                for rr in range(32):
+                    j = key0 + rr
+                    n_steps = (hi - j + 31) // 32 if j < hi else 0
+                    vd_pv_residue(prow, rr, vf, table, bs, kvh * hd, kstride, j, n_steps, e0, acc, rr * 64)
+                for e in range(64):
+                    for lane in range(8):
+                        x[lane] = (acc[lane * 64 + e] + acc[(16 + lane) * 64 + e]) + \
+                            (acc[(8 + lane) * 64 + e] + acc[(24 + lane) * 64 + e])
+                    out[r, h, e0 + e] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]))
+
+
+_decode_rows_serial = serial_twin(_decode_rows)
+
+
+def attention_decode_rows(q, k_cache, v_cache, tables, n_kvs, scale: float, window: int = 0):
+    """Queries q (R, Hq, hd), query r at position n_kvs[r] - 1 of the sequence whose block table is
+    tables[r] (R, max blocks; rows padded), over its cached keys [0, n_kvs[r]) -> (R, Hq, hd): for
+    each row exactly what attention_decode (llama.cpp's softmax) gives it. Head dims: exact_head_dim."""
+    q = np.ascontiguousarray(q, np.float32)
+    n_kvs = np.ascontiguousarray(n_kvs, np.int64)
+    tables = np.ascontiguousarray(tables, np.int32)
+    if not exact_head_dim(q.shape[2]):
+        raise ValueError(f"attention_decode_rows takes head dims that are a multiple of 64, got {q.shape[2]}")
+    if k_cache.dtype != np.float16 or v_cache.dtype != np.float16:
+        raise TypeError(f"KV cache must be float16, got {k_cache.dtype} / {v_cache.dtype}")
+    if q.shape[0] != n_kvs.shape[0] or tables.shape[0] != n_kvs.shape[0]:
+        raise ValueError("attention_decode_rows needs one block table and one length per query")
+    if (n_kvs <= 0).any() or ((n_kvs - 1) // k_cache.shape[1] >= tables.shape[1]).any():
+        raise ValueError("attention_decode_rows: a query's keys are not all in its block table")
+    out = np.empty_like(q)
+    lo = np.maximum(0, n_kvs - window) if window > 0 else np.zeros_like(n_kvs)
+    work = int(((n_kvs - lo) * k_cache.shape[2]).sum()) * q.shape[2]
+    kernel = pick(_decode_rows, _decode_rows_serial, work)
+    kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), tables, n_kvs, int(window), np.float32(scale), out)
+    return out
 
 
 def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:

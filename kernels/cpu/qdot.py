@@ -589,9 +589,18 @@ Runs = tuple  # (start, length, batched) per run of activation rows
 
 
 def run_arrays(runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[(start, length, batched)] -> the three arrays the drivers take."""
-    return (np.array([r[0] for r in runs], np.int64), np.array([r[1] for r in runs], np.int64),
-            np.array([bool(r[2]) for r in runs], np.bool_))
+    """[(start, length, batched)] -> the three arrays the drivers take. Adjacent runs whose rows all
+    get the single-token arithmetic (unbatched, or a batch of one) become one run, so that they share
+    one pass over W (32 decoding sequences: one pass, not 32)."""
+    merged: list[list] = []
+    for start, n, batched in runs:
+        single = not batched or n == 1
+        if merged and single and not merged[-1][2] and merged[-1][0] + merged[-1][1] == start:
+            merged[-1][1] += n
+        else:
+            merged.append([start, n, not single])
+    return (np.array([r[0] for r in merged], np.int64), np.array([r[1] for r in merged], np.int64),
+            np.array([r[2] for r in merged], np.bool_))
 
 
 def _run_arrays(runs, M: int):
@@ -599,9 +608,7 @@ def _run_arrays(runs, M: int):
         return runs                                       # prebuilt (models.transformer.RowPlan)
     if runs is None:
         runs = [(0, M, True)]
-    starts = np.array([r[0] for r in runs], np.int64)
-    lens = np.array([r[1] for r in runs], np.int64)
-    batched = np.array([bool(r[2]) for r in runs], np.bool_)
+    starts, lens, batched = run_arrays(runs)
     if lens.sum() != M:
         raise ValueError(f"runs cover {lens.sum()} rows, the activation has {M}")
     return starts, lens, batched

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kernels.cpu.activations import round_to_f16
-from kernels.cpu.attention import attention_decode, attention_prefill, exact_head_dim, write_kv
+from kernels.cpu.attention import (attention_decode, attention_decode_rows, attention_prefill, block_slots,
+                                  exact_head_dim, write_kv, write_kv_slots)
 from kernels.reference import attention_llama_ref, attention_ref, gather_kv_ref
 
 # decode and prefill round differently (llama.cpp's two products): a few ulps of |v| ~ 1
@@ -207,3 +208,62 @@ def test_parallel_and_serial_kernels(threshold, softmax, monkeypatch):
     _check(got, q, k, v, 15, 0.125, 8, softmax)
     dec = attention_decode(q[-1], k_cache, v_cache, table, 40, 0.125, softmax=softmax)
     _check(dec[None], q[-1:], k, v, 39, 0.125, 0, softmax, batched=False)
+
+
+ROWS_CASES = [
+    # (lengths of the sequences, hq, hkv, hd, bs, window)
+    ((1, 2, 33, 100), 14, 2, 64, 16, 0),
+    ((5, 70, 31), 4, 1, 256, 16, 8),       # gemma's head dim, a window (some rows start inside a 32-key step)
+    ((17, 40), 8, 8, 128, 4, 0),           # blocks smaller than an 8-key chunk
+    ((64, 65, 3), 4, 2, 64, 32, 45),
+]
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["parallel", "serial"])
+@pytest.mark.parametrize("lengths, hq, hkv, hd, bs, window", ROWS_CASES)
+def test_decode_rows_of_several_sequences(lengths, hq, hkv, hd, bs, window, threshold, monkeypatch):
+    """Several sequences in one pool, their K/V written through write_kv_slots in one call, then one
+    query each (the last position, and for the longest also two earlier ones, as a speculative check
+    has them) through attention_decode_rows: every row equals the llama.cpp reference for its own
+    sequence and attention_decode bit for bit."""
+    from kernels.cpu import ops
+
+    monkeypatch.setattr(ops, "PAR_MIN", threshold)
+    rng = np.random.default_rng(sum(lengths) + hd)
+    n_blocks = sum(-(-n // bs) for n in lengths) + 2
+    k_cache = np.full((n_blocks, bs, hkv, hd), np.nan, np.float16)
+    v_cache = np.full_like(k_cache, np.nan)
+    free = list(rng.permutation(n_blocks))
+    tables, kvs, slots = [], [], []
+    for n in lengths:
+        tables.append(np.array([free.pop() for _ in range(-(-n // bs))], np.int32))
+        k = rng.standard_normal((n, hkv, hd)).astype(np.float16).astype(np.float32)
+        v = rng.standard_normal((n, hkv, hd)).astype(np.float16).astype(np.float32)
+        kvs.append((k, v))
+        slots.append(block_slots(tables[-1], 0, n, bs))
+    write_kv_slots(k_cache, v_cache, np.concatenate(slots), np.concatenate([k for k, _ in kvs]),
+                   np.concatenate([v for _, v in kvs]))
+    longest = int(np.argmax(lengths))
+    rows = [(i, n) for i, n in enumerate(lengths)] + [(longest, lengths[longest] - 1), (longest, 1)]
+    width = max(len(t) for t in tables)
+    padded = np.zeros((len(rows), width), np.int32)
+    for r, (i, _) in enumerate(rows):
+        padded[r, :len(tables[i])] = tables[i]
+    n_kvs = np.array([n for _, n in rows], np.int64)
+    q = round_to_f16(rng.standard_normal((len(rows), hq, hd)).astype(np.float32))
+    scale = hd ** -0.5
+    got = attention_decode_rows(q, k_cache, v_cache, padded, n_kvs, scale, window)
+    for r, (i, n) in enumerate(rows):
+        k, v = kvs[i]
+        np.testing.assert_array_equal(gather_kv_ref(k_cache, tables[i], lengths[i]), k)
+        _check(got[r][None], q[r][None], k[:n], v[:n], n - 1, scale, window, "llama.cpp", batched=False)
+        np.testing.assert_array_equal(got[r], attention_decode(q[r], k_cache, v_cache, tables[i], n, scale, window))
+
+
+def test_decode_rows_rejects_keys_outside_the_table():
+    k_cache = np.zeros((4, 16, 1, 64), np.float16)
+    q = np.zeros((1, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="block table"):
+        attention_decode_rows(q, k_cache, k_cache, np.zeros((1, 1), np.int32), np.array([17]), 0.125)
+    with pytest.raises(ValueError, match="more than 1 blocks"):
+        block_slots(np.zeros(1, np.int32), 10, 7, 16)
