@@ -46,7 +46,7 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "(e.g. qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct)")
     p.add_argument("--draft-n", type=int, default=None,
                    help="most draft tokens per verification pass (default: 7 for lookup, whose drafts grow "
-                        "after full accepts and shrink after a miss; 3 for draft)")
+                        "after full accepts and shrink after a miss; 7 for draft, which stops where the draft model is unsure)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-model", default=None,
                        help="with --speculative: also time this draft model (e.g. qwen2.5-coder-0.5b-instruct)")
     bench.add_argument("--draft-n", type=int, default=None,
-                       help="with --speculative: most draft tokens per check (default: 7 for lookup, 3 for draft)")
+                       help="with --speculative: most draft tokens per check (default: 7)")
     bench.add_argument("--batch", type=int, default=0, metavar="N",
                        help="N prompts x up to -n tokens (greedy): continuous batching (native) vs each backend "
                             "one prompt at a time, in-process; batched tokens must equal one-by-one tokens")

@@ -69,12 +69,17 @@ class LookupDrafter:
 
 class ModelDrafter:
     """Greedy drafts from a smaller model on its own backend (KV cache). The draft backend has seen
-    `fed` tokens of the history; each proposal first feeds it what it has not seen (the prompt on
-    the first call, later the last accepted token and the target's correction) in one pass."""
+    `fed` tokens of the history: the whole prompt once constructed (the part its cache does not
+    hold is read then, with the target's prompt processing); each proposal first feeds it what it
+    has not seen (the last accepted token and the target's correction) in one pass."""
 
     def __init__(self, backend, prompt_ids: Sequence[int]):
         self.backend = backend
-        self.fed = backend._reuse_prefix(list(prompt_ids))
+        prompt_ids = list(prompt_ids)
+        self.fed = backend._reuse_prefix(prompt_ids)
+        for s in range(self.fed, len(prompt_ids), 256):
+            backend._forward(prompt_ids[s:s + 256], DRAFT_VOCAB)
+        self.fed = len(prompt_ids)
         backend.stats.n_past = self.fed
 
     def propose(self, history: Sequence[int], n: int) -> list[int]:

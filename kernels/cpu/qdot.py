@@ -218,6 +218,8 @@ def _q4_k_kernel(MR: int, per_pair: bool):
             zero = ir.Constant(V8F, [0.0] * 8)
             acc = [cgutils.alloca_once_value(builder, zero) for _ in range(MR)]
             accm = [cgutils.alloca_once_value(builder, zero) for _ in range(MR)]
+            itot = [cgutils.alloca_once_value(builder, ir.Constant(V8I, [0] * 8)) for _ in range(MR)]
+            mtot = [cgutils.alloca_once_value(builder, ir.Constant(V8I, [0] * 8)) for _ in range(MR)]
             m0f = vconst(V32B, 0x0F)
             lo_pairs = ir.Constant(ir.VectorType(i32, 16), [2 * (e // 2) for e in range(16)])
             hi_pairs = ir.Constant(ir.VectorType(i32, 16), [2 * (e // 2) + 1 for e in range(16)])
@@ -231,18 +233,23 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                 dxb = [splat(builder, builder.load(builder.gep(drow[i], [b])), V8F) for i in range(MR)]
                 scale = [builder.fmul(d8, dxb[i]) for i in range(MR)]          # fp32(d_w * d_x) per row
                 scale_min = [builder.fmul(dmin8, dxb[i]) for i in range(MR)]
-                itot = [ir.Constant(V8I, [0] * 8)] * MR
-                mtot = [ir.Constant(V8I, [0] * 8)] * MR
-                for c in range(4):
-                    sc = builder.zext(vload(builder, builder.gep(p, [c64(1024 + 16 * c)]), V16B), V16S)
-                    mn = builder.zext(vload(builder, builder.gep(p, [c64(1088 + 16 * c)]), V16B), V16S)
+                for i in range(MR):
+                    builder.store(ir.Constant(V8I, [0] * 8), itot[i])
+                    builder.store(ir.Constant(V8I, [0] * 8), mtot[i])
+                # the 4 64-element chunks in a loop, not unrolled: unrolled, LLVM hoisted loads
+                # across them and spilled (about 300 stack moves per super-block for 4 rows)
+                with cgutils.for_range(builder, c64(4)) as cloop:
+                    c = cloop.index
+                    sc = builder.zext(vload(builder, builder.gep(p, [builder.add(c64(1024), builder.mul(c, c64(16)))]), V16B), V16S)
+                    mn = builder.zext(vload(builder, builder.gep(p, [builder.add(c64(1088), builder.mul(c, c64(16)))]), V16B), V16S)
                     sc_lo = builder.shuffle_vector(sc, sc, lo_pairs)
                     sc_hi = builder.shuffle_vector(sc, sc, hi_pairs)
                     ilo = [ir.Constant(V16S, [0] * 16)] * MR
                     ihi = [ir.Constant(V16S, [0] * 16)] * MR
-                    xoff = builder.add(builder.mul(b, c64(256)), c64(64 * c))
+                    xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(64)))
+                    pc = builder.gep(p, [builder.mul(c, c64(256))])
                     for step in range(8):
-                        v = vload(builder, builder.gep(p, [c64(256 * c + 32 * step)]), V32B)
+                        v = vload(builder, builder.gep(pc, [c64(32 * step)]), V32B)
                         lo = builder.and_(v, m0f)
                         hi = builder.and_(builder.lshr(v, vconst(V32B, 4)), m0f)
                         for i in range(MR):
@@ -254,18 +261,18 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                             ihi[i] = builder.add(ihi[i], maddubs(builder, hi, xb_v))
                     for i in range(MR):
                         isum = builder.add(madd16(builder, ilo[i], sc_lo), madd16(builder, ihi[i], sc_hi))
-                        bs = builder.bitcast(splat(builder, builder.load(builder.gep(brow[i], [builder.add(builder.mul(b, c64(4)), c64(c))])), V8I), V16S)
+                        bs = builder.bitcast(splat(builder, builder.load(builder.gep(brow[i], [builder.add(builder.mul(b, c64(4)), c)])), V8I), V16S)
                         msum = madd16(builder, mn, bs)
                         if per_pair:
                             builder.store(fma(builder, builder.sitofp(isum, V8F), scale[i], builder.load(acc[i])), acc[i])
                             builder.store(fma(builder, builder.sitofp(msum, V8F), scale_min[i], builder.load(accm[i])), accm[i])
                         else:
-                            itot[i] = builder.add(itot[i], isum)
-                            mtot[i] = builder.add(mtot[i], msum)
+                            builder.store(builder.add(builder.load(itot[i]), isum), itot[i])
+                            builder.store(builder.add(builder.load(mtot[i]), msum), mtot[i])
                 if not per_pair:
                     for i in range(MR):
-                        builder.store(fma(builder, builder.sitofp(itot[i], V8F), scale[i], builder.load(acc[i])), acc[i])
-                        builder.store(fma(builder, builder.sitofp(mtot[i], V8F), scale_min[i], builder.load(accm[i])), accm[i])
+                        builder.store(fma(builder, builder.sitofp(builder.load(itot[i]), V8F), scale[i], builder.load(acc[i])), acc[i])
+                        builder.store(fma(builder, builder.sitofp(builder.load(mtot[i]), V8F), scale_min[i], builder.load(accm[i])), accm[i])
             for i in range(MR):
                 res = builder.fsub(builder.load(acc[i]), builder.load(accm[i]))
                 idx = builder.add(builder.mul(builder.add(m0v, c64(i)), N), builder.mul(gv, c64(8)))

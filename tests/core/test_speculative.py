@@ -33,7 +33,8 @@ def test_lookup_draft_length_grows_after_full_accepts_and_drops_after_a_miss():
 
 def test_draft_n_defaults_per_method():
     assert SpeculativeConfig("lookup").validate().max_draft == 7
-    assert SpeculativeConfig("draft", draft_model="m").validate().max_draft == 3
+    assert SpeculativeConfig("draft", draft_model="m").validate().max_draft == 7
+    assert SpeculativeConfig("draft", 3, draft_model="m").validate().max_draft == 3
     assert SpeculativeConfig("lookup", 2).validate().max_draft == 2
 
 
