@@ -14,6 +14,7 @@ import numpy as np
 
 from core.backend import SamplingParams
 from core.engine import BACKEND_NAMES
+from models import registry
 from models.errors import BadInputError
 
 
@@ -184,6 +185,41 @@ def bench_batch(engine, prompts: list[str], n_gen: int, parallel: int) -> tuple[
     return sum(map(len, outputs)) / (time.perf_counter() - t0), outputs, scheduler.steps
 
 
+def bench_processes(model: str, prompts: list[str], n_gen: int, parallel: int, threads: int | None) -> dict:
+    """The batch bar as a user meets it: each prompt through its own `kvchat run` process, one after
+    another, against one `kvchat batch` process over all of them (greedy, native). Wall time from
+    each process's start, model load included. Both must give the same tokens."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    cli = [sys.executable, "-m", "app.cli"]
+    common = ["-m", model, "--backend", "native", "--max-tokens", str(n_gen), "--temperature", "0"]
+    if threads:
+        common += ["--threads", str(threads)]
+
+    def run(cmd: list[str]) -> str:
+        proc = subprocess.run(cli + cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvchat {cmd[0]} failed: {proc.stderr.strip()[-300:]}")
+        return proc.stdout
+
+    t0 = time.perf_counter()
+    solo = [json.loads(run(["run", p, "--json"] + common))["tokens"] for p in prompts]
+    t_solo = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "prompts.jsonl"), Path(tmp, "answers.jsonl")
+        src.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+        t0 = time.perf_counter()
+        run(["batch", str(src), "-o", str(dst), "--parallel", str(parallel)] + common)
+        t_batch = time.perf_counter() - t0
+        answers = {a["id"]: a["tokens"] for a in map(json.loads, dst.read_text().splitlines())}
+    if [answers.get(i) for i in range(len(prompts))] != solo:
+        raise RuntimeError("kvchat batch gave other tokens than kvchat run")
+    n = sum(map(len, solo))
+    return {"run_t_s": n / t_solo, "batch_t_s": n / t_batch, "tokens": n}
+
+
 def cmd_bench_batch(args, engines) -> int:
     """--batch N: N prompts x up to -n tokens, greedy, through continuous batching (native) against
     each backend one prompt after another in-process. Batched tokens must equal the one-by-one ones."""
@@ -202,6 +238,12 @@ def cmd_bench_batch(args, engines) -> int:
             rates["batch"] = batch_rate
             print(f"{name:<10} batch --parallel {args.parallel}: {sum(map(len, batch_outs))} tokens in {steps} steps, "
                   f"{batch_rate:.1f} t/s (every prompt's tokens equal its one-by-one run)", file=sys.stderr)
+    if args.processes:
+        model = args.model or registry.DEFAULT_MODEL
+        r = bench_processes(model, prompts, args.n_gen, args.parallel, args.threads)
+        print(f"processes  kvchat run x{len(prompts)}: {r['run_t_s']:.1f} t/s | kvchat batch --parallel {args.parallel}: "
+              f"{r['batch_t_s']:.1f} t/s = {r['batch_t_s'] / r['run_t_s']:.2f}x (wall time, loads included; same tokens)")
+        rates["processes_run"], rates["processes_batch"] = r["run_t_s"], r["batch_t_s"]
     if "batch" in rates:
         line = f"batch {len(prompts)}x{args.n_gen}: {rates['batch']:.1f} t/s"
         for name in engines:
@@ -239,7 +281,6 @@ def cmd_bench_modes(args, engines) -> int:
 
 def cmd_bench(args) -> int:
     from app.cli import load_engine
-    from models import registry
     names = [b.strip() for b in (args.backend or ",".join(BACKEND_NAMES)).split(",") if b.strip()]
     for name in names:
         if name not in BACKEND_NAMES:
@@ -250,6 +291,8 @@ def cmd_bench(args) -> int:
         raise BadInputError("--depth must be >= 0")
     if args.batch < 0 or args.parallel < 1:
         raise BadInputError("--batch must be >= 0 and --parallel >= 1")
+    if args.processes and not args.batch:
+        raise BadInputError("--processes goes with --batch N")
     model = args.model or registry.DEFAULT_MODEL
     args.ctx = args.ctx or max(args.n_prompt, args.depth + args.n_gen + 1,
                                2048 if (args.multiturn or args.speculative) else 0) + 64

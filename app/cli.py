@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="N prompts x up to -n tokens (greedy): continuous batching (native) vs each backend "
                             "one prompt at a time, in-process; batched tokens must equal one-by-one tokens")
     bench.add_argument("--parallel", type=int, default=16, help="with --batch: sequences per step (default: 16)")
+    bench.add_argument("--processes", action="store_true",
+                       help="with --batch: also each prompt through its own `kvchat run` process against one "
+                            "`kvchat batch` process (wall time, model loads included)")
 
     from app.batch_cmd import add_batch_parser
     from app.export import add_export_parser

@@ -216,14 +216,20 @@ def test_bench_decode_at_depth(qwen_path):
 
 def test_bench_batch_against_one_by_one(qwen_path):
     """--batch N: continuous batching vs each backend one prompt at a time; it fails unless every
-    batched prompt's tokens equal its one-by-one run."""
-    out = run_kvchat("bench", "--backend", "native,llama.cpp", "--batch", "3", "-n", "6", "--parallel", "2", "--json")
+    batched prompt's tokens equal its one-by-one run. --processes: the same prompts through
+    `kvchat run` processes against one `kvchat batch` process, which must agree too."""
+    out = run_kvchat("bench", "--backend", "native,llama.cpp", "--batch", "3", "-n", "6", "--parallel", "2",
+                     "--processes", "--json")
     assert out.returncode == 0, out.stderr.decode()
     row = json.loads(out.stdout.decode().splitlines()[-1])
-    assert row["test"] == "batch3x6" and all(row[f"{k}_t_s"] > 0 for k in ("batch", "native", "llama.cpp"))
+    assert row["test"] == "batch3x6"
+    assert all(row[f"{k}_t_s"] > 0 for k in ("batch", "native", "llama.cpp", "processes_run", "processes_batch"))
     assert "equal its one-by-one run" in out.stderr.decode()
+    assert "kvchat batch --parallel 2" in out.stdout.decode() and "same tokens" in out.stdout.decode()
     bad = run_kvchat("bench", "--batch", "2", "--parallel", "0")
     assert bad.returncode == 2 and "--parallel" in bad.stderr.decode()
+    alone = run_kvchat("bench", "--processes")
+    assert alone.returncode == 2 and "--processes" in alone.stderr.decode()
 
 
 def test_batch_cli_writes_every_answer_and_resumes(qwen_path, tmp_path):
