@@ -294,6 +294,7 @@ X_CHUNK_BYTES = 192 << 10
 
 
 q4_k_gemv_4 = _q4_k_kernel(4, False)
+q4_k_gemv_2 = _q4_k_kernel(2, False)     # two rows left over: one unpack for both (a speculative check)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -317,9 +318,11 @@ def _q4_k_rows(wx8, xq, dx, bsp, run_start, run_len, run_batched, out):
                 while m + 4 <= c1:
                     q4_k_gemv_4(wx8, g, xq, dx, bsp, m, out)
                     m += 4
-                while m < c1:
+                if m + 2 <= c1:
+                    q4_k_gemv_2(wx8, g, xq, dx, bsp, m, out)
+                    m += 2
+                if m < c1:
                     q4_k_gemv_1(wx8, g, xq, dx, bsp, m, out)
-                    m += 1
 
 
 # --- Q6_K ---------------------------------------------------------------------------------------
@@ -409,6 +412,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
 
 q6_k_vec_dot_1, q6_k_vec_dot_4 = _q6_k_kernel(1, False), _q6_k_kernel(4, False)
 q6_k_tiled_1, q6_k_tiled_4 = _q6_k_kernel(1, True), _q6_k_kernel(4, True)
+q6_k_vec_dot_2 = _q6_k_kernel(2, False)  # two rows left over: one unpack for both (a speculative check)
 Q6_K_TILED_MIN_ROWS = 8     # llama.cpp's ggml_tiled_min_batch
 
 
@@ -432,6 +436,9 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
                     else:
                         q6_k_vec_dot_4(w, row, xq, dx, bs16, m, out)
                     m += 4
+                if m + 2 <= c1 and not tiled:
+                    q6_k_vec_dot_2(w, row, xq, dx, bs16, m, out)
+                    m += 2
                 while m < c1:
                     if tiled:
                         q6_k_tiled_1(w, row, xq, dx, bs16, m, out)

@@ -183,13 +183,18 @@ def test_one_row_runs_give_every_row_its_single_row_numbers(ggml_type):
     rng = np.random.default_rng(ggml_type)
     raw = random_quantized(ggml_type, 24, n_cols, rng)
     qm = QMatrix(raw, ggml_type, 24, n_cols)
-    x = rng.standard_normal((14, n_cols)).astype(np.float32)
+    x = rng.standard_normal((24, n_cols)).astype(np.float32)
     kind = qdot.VEC_DOT_KIND[ggml_type]
-    runs = [(0, 9, True), (9, 1, False), (10, 4, False)]
+    # single-row runs merge (1 + 4 + a batch of one: 4 rows, then the 2-row kernel), a batched run keeps
+    # its own arithmetic (9 rows; 2 rows), 7 single rows: 4 + 2 + 1
+    runs = [(0, 9, True), (9, 1, False), (10, 4, False), (14, 1, True), (15, 2, True), (17, 7, False)]
     got = qm.matmul_int8(Int8Rows(x, kind), runs=runs)
-    for i in range(9, 14):
-        np.testing.assert_array_equal(got[i], qm.matmul_int8(Int8Rows(x[i:i + 1], kind))[0])
-    np.testing.assert_array_equal(got[:9], qm.matmul_int8(Int8Rows(x[:9], kind)))
+    for r0, n, batched in runs:
+        if batched and n > 1:
+            np.testing.assert_array_equal(got[r0:r0 + n], qm.matmul_int8(Int8Rows(x[r0:r0 + n], kind)))
+        else:
+            for i in range(r0, r0 + n):
+                np.testing.assert_array_equal(got[i], qm.matmul_int8(Int8Rows(x[i:i + 1], kind))[0])
     rows = Int8Rows(x, kind)
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, runs))
 
