@@ -45,10 +45,10 @@ def _hsum8_x8(builder, accs):
     return _shuffle8(builder, x, x, [0, 4, 1, 5, 2, 6, 3, 7])
 
 
-def _tb_kernel(RM: int, RN: int, b_f16: bool):
+def _tb_kernel(RM: int, RN: int):
     """kern(A, ia, lda, B, ib, ldb, L, C, ic, ldc): C[ic + i*ldc + j] = tinyBLAS dot of row i of A
     (A[ia + i*lda : +L]) and row j of B (B[ib + j*ldb : +L]) for i < RM, j < RN; L % 8 == 0.
-    A float32; B float32, or float16 bits (uint16) widened on load."""
+    A and B float32."""
 
     def kern(typingctx, A, ia, lda, B, ib, ldb, L, C, ic, ldc):
         sig = types.void(A, ia, lda, B, ib, ldb, L, C, ic, ldc)
@@ -56,14 +56,13 @@ def _tb_kernel(RM: int, RN: int, b_f16: bool):
         def codegen(context, builder, signature, args):
             aa, ba, ca = (array(context, builder, signature.args[k], args[k]) for k in (0, 3, 7))
             ia, lda, ib, ldb, L, ic, ldc = (as_i64(builder, args[k]) for k in (1, 2, 4, 5, 6, 8, 9))
-            bdata = builder.bitcast(ba.data, ir.HalfType().as_pointer()) if b_f16 else ba.data
             arow = [builder.add(ia, builder.mul(c64(i), lda)) for i in range(RM)]
             brow = [builder.add(ib, builder.mul(c64(j), ldb)) for j in range(RN)]
             zero = ir.Constant(V8F, [0.0] * 8)
             acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(RN)] for _ in range(RM)]
             with cgutils.for_range_slice(builder, c64(0), L, c64(8)) as (l, _):
                 av = [_load8(builder, aa.data, builder.add(arow[i], l), False) for i in range(RM)]
-                bv = [_load8(builder, bdata, builder.add(brow[j], l), b_f16) for j in range(RN)]
+                bv = [_load8(builder, ba.data, builder.add(brow[j], l), False) for j in range(RN)]
                 for i in range(RM):
                     for j in range(RN):
                         builder.store(fma(builder, av[i], bv[j], builder.load(acc[i][j])), acc[i][j])
@@ -83,14 +82,13 @@ def _tb_kernel(RM: int, RN: int, b_f16: bool):
 
         return sig, codegen
 
-    kern.__name__ = f"tb_{RM}x{RN}_{'f16' if b_f16 else 'f32'}"
+    kern.__name__ = f"tb_{RM}x{RN}_f32"
     return intrinsic(kern)
 
 
-# scores: A = the tile's queries, B = the K cache rows (float16); P.V: A = probabilities, B = V^T.
-tb_2x4_f16, tb_1x4_f16, tb_2x1_f16, tb_1x1_f16 = (_tb_kernel(m, n, True) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
-tb_2x4_f32, tb_1x4_f32, tb_2x1_f32, tb_1x1_f32 = (_tb_kernel(m, n, False) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
-tb_4x3_f32 = _tb_kernel(4, 3, False)
+# scores: A = the tile's queries, B = a block of K rows widened to float32; P.V: A = probabilities, B = V^T.
+tb_2x4_f32, tb_1x4_f32, tb_2x1_f32, tb_1x1_f32 = (_tb_kernel(m, n) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
+tb_4x3_f32 = _tb_kernel(4, 3)
 
 
 @intrinsic
@@ -142,6 +140,22 @@ def vd_pv_residue(typingctx, p, ip, vf, block_table, bs, head_off, kstride, key0
                 builder.store(fma(builder, pv, vv, builder.load(regs[v])), regs[v])
         for v in range(8):
             vstore(builder, builder.load(regs[v]), builder.gep(aa.data, [builder.add(iacc, c64(8 * v))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def widen8(typingctx, src, isrc, dst, idst, n):
+    """dst[idst : idst+n] = float32(src[isrc : isrc+n]) for float16 bits src (exact); n % 8 == 0."""
+    sig = types.void(src, isrc, dst, idst, n)
+
+    def codegen(context, builder, signature, args):
+        sa, da = array(context, builder, signature.args[0], args[0]), array(context, builder, signature.args[2], args[2])
+        isrc, idst, n = (as_i64(builder, args[k]) for k in (1, 3, 4))
+        sdata = builder.bitcast(sa.data, ir.HalfType().as_pointer())
+        with cgutils.for_range_slice(builder, c64(0), n, c64(8)) as (e, _):
+            vstore(builder, _load8(builder, sdata, builder.add(isrc, e), True), builder.gep(da.data, [builder.add(idst, e)]))
         return context.get_dummy_value()
 
     return sig, codegen
