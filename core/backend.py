@@ -101,9 +101,9 @@ SPECULATIVE_METHODS = ("off", "lookup", "draft")
 
 
 # Most tokens drafted per check by default: prompt lookup adapts its length up to this (see
-# core.speculative.LookupDrafter); a draft model stops earlier where it is unsure of its next token
-# (core.speculative.DRAFT_MIN_P), so a high cap costs little (code rewrite, 0.5B for 1.5B: 1.10-1.13x
-# at 3, 1.29-1.39x at 7).
+# core.speculative.LookupDrafter); a draft model stops earlier where it is unsure of its draft
+# (core.speculative.DRAFT_MIN_P), so a high cap costs little (code rewrite, 0.5B for 1.5B, stopping
+# at a token below 0.5: 1.10-1.13x at 3, 1.29-1.39x at 7).
 DEFAULT_DRAFT_N = {"off": 1, "lookup": 7, "draft": 7}
 
 

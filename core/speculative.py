@@ -23,8 +23,13 @@ from core.sampler import Sampler
 # Suffix n-grams up to this long are looked up, longest first (a longer match predicts better: on
 # the code-rewrite benchmark 5 beats 3).
 MAX_NGRAM = 5
-# A draft model stops drafting when its own probability for the next token falls below this.
-DRAFT_MIN_P = 0.5
+# A draft model stops drafting when its own probability that the whole draft so far is right (the
+# product of its probabilities for its greedy tokens) falls below this: a draft token is worth its
+# cost (a draft step plus a verified row, ~0.5 of a plain step on the 1.5B) only when it is likely
+# to be accepted together with all before it. Replayed on recorded draft chains (0.5B for 1.5B, 96
+# tokens each) against stopping where one token's probability is below 0.5: code rewrite 1.38 ->
+# 1.48x, new code 1.37 -> 1.52x, an English explanation 0.92 -> 1.12x, Russian 0.81 -> 0.96x.
+DRAFT_MIN_P = 0.7
 # A draft model scores only the first DRAFT_VOCAB tokens of its vocabulary. Its output matrix is a
 # third of what a 0.5B model reads per token; BPE vocabularies put the common merges first, so the
 # tokens a draft gets accepted for are nearly all there (code rewrite, 0.5B for 1.5B: 89% of drafts
@@ -90,9 +95,11 @@ class ModelDrafter:
             logits = b._forward(new[s:s + 256], DRAFT_VOCAB)
         self.fed += len(new)
         out: list[int] = []
+        p_all = 1.0                        # the draft's own probability that its whole draft is right
         for i in range(n):
             best = int(np.argmax(logits))
-            if out and self._confidence(logits, best) < DRAFT_MIN_P:
+            p_all *= self._confidence(logits, best)
+            if p_all < DRAFT_MIN_P:
                 break                      # a likely miss: verifying it costs more than it saves
             out.append(best)
             if i < n - 1:

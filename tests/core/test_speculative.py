@@ -5,7 +5,8 @@ import pytest
 from core.backend import SamplingParams, SpeculativeConfig
 from core.engine import Engine
 from core.sampler import Sampler
-from core.speculative import LookupDrafter, lookup_draft
+from core import speculative
+from core.speculative import LookupDrafter, ModelDrafter, lookup_draft
 from models.errors import BadInputError
 
 
@@ -36,6 +37,43 @@ def test_draft_n_defaults_per_method():
     assert SpeculativeConfig("draft", draft_model="m").validate().max_draft == 7
     assert SpeculativeConfig("draft", 3, draft_model="m").validate().max_draft == 3
     assert SpeculativeConfig("lookup", 2).validate().max_draft == 2
+
+
+class ScriptedDraftModel:
+    """A draft backend whose next-token distribution is scripted: after n tokens its greedy token is
+    n + 1 with probability top_p[n] (the rest spread evenly), so the stop rule can be checked alone."""
+
+    def __init__(self, top_p, n_vocab=50):
+        self.top_p, self.n_vocab, self.n = top_p, n_vocab, 0
+        self.stats = type("Stats", (), {"n_past": 0})()
+
+    def _reuse_prefix(self, ids):
+        return 0
+
+    def _forward(self, ids, vocab_limit=None):
+        self.n += len(ids)
+        p = np.full(self.n_vocab, (1 - self.top_p[self.n]) / (self.n_vocab - 1))
+        p[self.n + 1] = self.top_p[self.n]
+        return np.log(p).astype(np.float32)
+
+    def _rollback(self, n_tokens):
+        self.n = n_tokens
+
+
+def test_draft_model_stops_where_the_whole_draft_is_unlikely():
+    """Drafting stops before the token that brings the product of the draft's own probabilities
+    below DRAFT_MIN_P; a first token below it gives no draft (a plain step)."""
+    assert speculative.DRAFT_MIN_P == 0.7
+    sure = ScriptedDraftModel([0.5, 0.5, 0.95, 0.9, 0.85, 0.5, 0.99, 0.99, 0.99, 0.99])
+    drafter = ModelDrafter(sure, [7])                     # read the prompt: 1 token
+    assert drafter.propose([7, 1], 7) == [3, 4, 5]        # 0.95 * 0.9 * 0.85 = 0.73; * 0.5 = 0.36
+    drafter.keep(3)                                       # the target kept 7, 1, 3 and rejected 4, 5
+    assert sure.n == 3
+    assert drafter.propose([7, 1, 3, 9], 7) == [5]        # 0.85, then 0.85 * 0.5
+    unsure = ScriptedDraftModel([0.5, 0.5, 0.6, 0.99, 0.99])
+    assert ModelDrafter(unsure, [7]).propose([7, 1], 7) == []
+    capped = ScriptedDraftModel([0.5, 0.5] + [0.999] * 12)
+    assert ModelDrafter(capped, [7]).propose([7, 1], 3) == [3, 4, 5]
 
 
 def test_sampled_verification_keeps_the_target_distribution():
