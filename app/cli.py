@@ -50,7 +50,7 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default: 512)")
+    p.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens to generate (default: 512; -n as in llama.cpp)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="0 = off (default: 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default: 0.95)")
