@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from kernels.cpu.ops import f16_bits, f16_value, serial_twin
 from kernels.cpu.simd import (
-    HAS_AVX2, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, bits_to_mask, byte_ptr, c64, call, f16, f32, fma, hsum8, i8, i32,
+    HAS_AVX2, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, bits_to_mask, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i8, i32,
     load_as, madd16, maddubs, nibbles_to_bytes, psign, splat, vconst, vload, vstore,
 )
 
@@ -337,7 +337,11 @@ Q6_K_BLOCK = 210
 
 def _q6_k_kernel(MR: int, tiled: bool):
     """kern(w, n, xq, dx, bs16, m0, out): out[m0+i, n] for i < MR; w: GGUF Q6_K rows (N, nb*210);
-    xq (M, K) int8, dx (M, nb) float32: q8_K rows; bs16 (M, K/16) int16: their 16-element sums."""
+    xq (M, K) int8, dx (M, nb) float32: q8_K rows; bs16 (M, K/16) int16: their 16-element sums.
+
+    Per super-block the 8 unpacked 32-byte chunks and their scale pairs go to a stack buffer, then an
+    IR loop over the chunks reads them back for all MR rows. Unrolled (every chunk live in a register
+    for every row), LLVM spilled ~60 moves per super-block at 4 rows and could not go beyond 4."""
 
     def kern(typingctx, w, n, xq, dx, bs16, m0, out):
         sig = types.void(w, n, xq, dx, bs16, m0, out)
@@ -356,6 +360,9 @@ def _q6_k_kernel(MR: int, tiled: bool):
                     for i in range(MR)]
             acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(MR)]
             acc1 = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(MR)]
+            qbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))          # the chunks' 6-bit values
+            sbuf = cgutils.alloca_once(builder, ir.ArrayType(V16S, 8))          # their scale pairs
+            lanes = [cgutils.alloca_once(builder, V8I) for _ in range(MR)]
             m15, m3 = vconst(V32B, 15), vconst(V32B, 3)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
@@ -365,7 +372,6 @@ def _q6_k_kernel(MR: int, tiled: bool):
                 sc8 = vload(builder, builder.gep(p, [c64(192)]), V16B)
                 sc16 = builder.sext(sc8, V16S)                                   # the 16 scales
                 dw = builder.fpext(load_as(builder, p, f16, 208), f32)
-                lanes_i = [ir.Constant(V8I, [0] * 8)] * MR
                 for j in range(2):
                     q1 = vload(builder, builder.gep(p, [c64(64 * j)]), V32B)
                     q2 = vload(builder, builder.gep(p, [c64(64 * j + 32)]), V32B)
@@ -378,16 +384,26 @@ def _q6_k_kernel(MR: int, tiled: bool):
                           builder.or_(shr(q2, 4), shl(shr(qh, 6), 4))]
                     for k in range(4):
                         s = 4 * j + k                                             # scales 2s, 2s+1
+                        builder.store(qv[k], builder.gep(qbuf, [c32(0), c32(s)]))
                         scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * s] * 8 + [2 * s + 1] * 8))
-                        for i in range(MR):
-                            x = vload(builder, builder.gep(xrow[i], [builder.add(builder.mul(b, c64(256)), c64(128 * j + 32 * k))]), V32B)
-                            lanes_i[i] = builder.add(lanes_i[i], madd16(builder, maddubs(builder, qv[k], x), scv))
+                        builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
                 for i in range(MR):
+                    builder.store(ir.Constant(V8I, [0] * 8), lanes[i])
+                with cgutils.for_range(builder, c64(8)) as chunks:                 # chunk c: elements 32c .. 32c+31
+                    c = chunks.index
+                    qv = builder.load(builder.gep(qbuf, [c32(0), c]))
+                    scv = builder.load(builder.gep(sbuf, [c32(0), c]))
+                    xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
+                    for i in range(MR):
+                        x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
+                        builder.store(builder.add(builder.load(lanes[i]), madd16(builder, maddubs(builder, qv, x), scv)), lanes[i])
+                for i in range(MR):
+                    lanes_i = builder.load(lanes[i])
                     bsv = vload(builder, builder.gep(brow[i], [builder.mul(b, c64(32))]), V16S)
                     sub = builder.shl(madd16(builder, bsv, sc16), vconst(V8I, 5))
                     dxb = builder.load(builder.gep(drow[i], [b]))
                     if tiled:
-                        tot = builder.sub(lanes_i[i], sub)
+                        tot = builder.sub(lanes_i, sub)
                         e = [builder.extract_element(tot, ir.Constant(i32, q)) for q in range(8)]
                         S = e[0]
                         for q in range(1, 8):
@@ -396,7 +412,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
                         builder.store(call(builder, "llvm.fma.f32", f32, [res, dxb, builder.load(acc1[i])]), acc1[i])
                     else:
                         d = splat(builder, builder.fmul(dxb, dw), V8F)                  # y.d * fp16(x.d)
-                        tot = builder.sitofp(builder.sub(lanes_i[i], sub), V8F)
+                        tot = builder.sitofp(builder.sub(lanes_i, sub), V8F)
                         builder.store(fma(builder, d, tot, builder.load(acc[i])), acc[i])
             for i in range(MR):
                 value = builder.load(acc1[i]) if tiled else hsum8(builder, builder.load(acc[i]))
@@ -412,7 +428,9 @@ def _q6_k_kernel(MR: int, tiled: bool):
 
 q6_k_vec_dot_1, q6_k_vec_dot_4 = _q6_k_kernel(1, False), _q6_k_kernel(4, False)
 q6_k_tiled_1, q6_k_tiled_4 = _q6_k_kernel(1, True), _q6_k_kernel(4, True)
-q6_k_vec_dot_2 = _q6_k_kernel(2, False)  # two rows left over: one unpack for both (a speculative check)
+# A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
+(q6_k_vec_dot_2, q6_k_vec_dot_3, q6_k_vec_dot_5, q6_k_vec_dot_6, q6_k_vec_dot_7,
+ q6_k_vec_dot_8) = (_q6_k_kernel(m, False) for m in (2, 3, 5, 6, 7, 8))
 Q6_K_TILED_MIN_ROWS = 8     # llama.cpp's ggml_tiled_min_batch
 
 
@@ -430,22 +448,33 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
             c1 = min(r0 + n, c0 + chunk)
             for row in prange(N):
                 m = c0
-                while m + 4 <= c1:
-                    if tiled:
+                if tiled:
+                    while m + 4 <= c1:
                         q6_k_tiled_4(w, row, xq, dx, bs16, m, out)
-                    else:
-                        q6_k_vec_dot_4(w, row, xq, dx, bs16, m, out)
-                    m += 4
-                if m + 2 <= c1 and not tiled:
-                    q6_k_vec_dot_2(w, row, xq, dx, bs16, m, out)
-                    m += 2
-                while m < c1:
-                    if tiled:
+                        m += 4
+                    while m < c1:
                         q6_k_tiled_1(w, row, xq, dx, bs16, m, out)
+                        m += 1
+                    continue
+                while m < c1:                       # up to 8 rows per pass over the weight row
+                    left = c1 - m
+                    if left >= 8:
+                        q6_k_vec_dot_8(w, row, xq, dx, bs16, m, out)
+                    elif left == 7:
+                        q6_k_vec_dot_7(w, row, xq, dx, bs16, m, out)
+                    elif left == 6:
+                        q6_k_vec_dot_6(w, row, xq, dx, bs16, m, out)
+                    elif left == 5:
+                        q6_k_vec_dot_5(w, row, xq, dx, bs16, m, out)
+                    elif left == 4:
+                        q6_k_vec_dot_4(w, row, xq, dx, bs16, m, out)
+                    elif left == 3:
+                        q6_k_vec_dot_3(w, row, xq, dx, bs16, m, out)
+                    elif left == 2:
+                        q6_k_vec_dot_2(w, row, xq, dx, bs16, m, out)
                     else:
                         q6_k_vec_dot_1(w, row, xq, dx, bs16, m, out)
-                    m += 1
-
+                    m += min(8, left)
 
 
 # --- activation rows, quantized as llama.cpp's matmul quantizes them ------------------------------

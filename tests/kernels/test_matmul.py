@@ -176,6 +176,21 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
 
 
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
+@pytest.mark.parametrize("m", [2, 6, 7, 8, 9, 17])
+def test_single_row_arithmetic_for_many_rows(ggml_type, m):
+    """A speculative check's rows (one run, not batched) get the one-row arithmetic whatever their
+    number: Q6_K has a kernel for each of 1..8 rows per pass over W, Q4_K's gemv takes 4 and 2."""
+    n_cols = 1536
+    rng = np.random.default_rng(ggml_type * 100 + m)
+    raw = random_quantized(ggml_type, 16, n_cols, rng)
+    qm = QMatrix(raw, ggml_type, 16, n_cols)
+    x = rng.standard_normal((m, n_cols)).astype(np.float32)
+    rows = Int8Rows(x, qdot.VEC_DOT_KIND[ggml_type])
+    got = qm.matmul_int8(rows, runs=[(0, m, False)])
+    np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, False)]))
+
+
+@pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
 def test_one_row_runs_give_every_row_its_single_row_numbers(ggml_type):
     """Decode rows (speculative checks, batches) get each row the numbers it gets alone, while a
     batched run in the same call keeps llama.cpp's batch arithmetic."""
@@ -185,8 +200,8 @@ def test_one_row_runs_give_every_row_its_single_row_numbers(ggml_type):
     qm = QMatrix(raw, ggml_type, 24, n_cols)
     x = rng.standard_normal((24, n_cols)).astype(np.float32)
     kind = qdot.VEC_DOT_KIND[ggml_type]
-    # single-row runs merge (1 + 4 + a batch of one: 4 rows, then the 2-row kernel), a batched run keeps
-    # its own arithmetic (9 rows; 2 rows), 7 single rows: 4 + 2 + 1
+    # single-row runs merge (1 + 4 + a batch of one: 6 rows in one pass), a batched run keeps its own
+    # arithmetic (9 rows; 2 rows), then 7 single rows
     runs = [(0, 9, True), (9, 1, False), (10, 4, False), (14, 1, True), (15, 2, True), (17, 7, False)]
     got = qm.matmul_int8(Int8Rows(x, kind), runs=runs)
     for r0, n, batched in runs:
