@@ -155,11 +155,13 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
 @pytest.mark.parametrize("n_rows, n_cols", [(13, 256), (40, 4864), (33, 896)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 50])
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
-    """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernel (fewer
-    than 16 rows) and the Q5_0 panel kernel (16 or more), Q4_K's gemm/gemv split, Q6_K's vec_dot
-    (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8 layouts' padding."""
+    """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
+    or passes of up to 8 rows: 9, 16, 37 take several) and the Q5_0 panel kernel (48 rows or more),
+    Q4_K's gemm/gemv split, Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
+    layouts' padding."""
+    assert (m >= qdot.Q5_0_PANEL_MIN_ROWS) == (m == 50)    # the panel kernel is covered, by 50 only
     if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
         n_cols = 1536
     if ggml_type == 12 and n_rows % 8:
