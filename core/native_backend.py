@@ -114,11 +114,14 @@ class NativeBackend(Backend):
     def _reuse_prefix(self, ids: Sequence[int]) -> int:
         return self.seq.reuse_prefix(ids, len(ids) - 1)
 
-    def _forward(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
+    def _forward(self, ids: Sequence[int], vocab_limit: int | None = None, decode_rows: bool | None = None) -> np.ndarray:
+        """The last token's logits after `ids`; decode_rows: every row with a single token's
+        arithmetic (a draft model's few-token feed takes the fused decode path)."""
         ids = list(ids)
         start = self.seq.n_tokens
         self.seq.append_slots(len(ids))
-        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, vocab_limit=vocab_limit)
+        logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, decode_rows=decode_rows,
+                                    vocab_limit=vocab_limit)
         self.seq.commit(ids)
         self._set_torch_threads()
         return logits

@@ -92,7 +92,8 @@ class ModelDrafter:
         new = list(history[self.fed:])
         logits = None
         for s in range(0, len(new), 256):
-            logits = b._forward(new[s:s + 256], DRAFT_VOCAB)
+            chunk = new[s:s + 256]
+            logits = b._forward(chunk, DRAFT_VOCAB, decode_rows=len(chunk) <= 8)   # the usual 1-2 tokens: fused
         self.fed += len(new)
         out: list[int] = []
         p_all = 1.0                        # the draft's own probability that its whole draft is right

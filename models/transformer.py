@@ -426,27 +426,37 @@ class Block:
         return self._exact_all and self.llama_rounding and self.softmax == "llama.cpp"
 
     def _layer_args(self, kv: KVView) -> tuple:
-        """fused.decode_layer's arguments after the token's own: the weights, and one-row buffers
-        allocated once (rebuilt if the KV pool changes)."""
+        """fused.decode_layer's arguments after the tokens' own: the weights and one-row buffers
+        allocated once (rebuilt if the KV pool changes); the index of the block table; and the
+        indices of the row buffers (first axis: the rows), which decode_rows swaps for R rows."""
         cached = getattr(self, "_args", None)
         if cached is not None and cached[0] is kv.k_cache[self.il]:   # the pool (all sequences share it)
             return cached[1]
         cfg = self.cfg
         D, hd, Hq, Hkv, F = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff
+        row_bufs: list[int] = []                                               # ids of the row buffers
         f32 = lambda *shape: np.empty(shape, np.float32)                       # noqa: E731
+
+        def rows(*shape):                                                      # a one-row buffer
+            a = f32(1, *shape)
+            row_bufs.append(id(a))
+            return a
+
         empty = f32(0)
-        out = lambda m: f32(1, exact_rows(m.exact, m.ggml_type))              # noqa: E731  (x8: padded rows)
+        out = lambda m: rows(exact_rows(m.exact, m.ggml_type))                # noqa: E731  (x8: padded rows)
 
         def group(proj: Projections, n: int) -> list:
             parts = [m for m, _ in proj.parts]
             layouts = [m.exact for m in parts] + [parts[0].exact] * (n - len(parts))
             types = np.array([m.ggml_type for m in parts] + [-1] * (n - len(parts)), np.int64)
-            outs = [out(m) for m in parts] + [f32(1, 1)] * (n - len(parts))
+            outs = [out(m) for m in parts] + [rows(1)] * (n - len(parts))
             return [*layouts, types, np.array(proj.where, np.int64), *outs]
 
         def q8(K: int) -> list:
             r = Q8Row(K)
-            return [r.xq, r.dx0, r.sx, r.dxk, r.bs16, r.bsp]
+            bufs = [r.xq, r.dx0, r.sx, r.dxk, r.bs16, r.bsp]
+            row_bufs.extend(id(b) for b in bufs)
+            return bufs
 
         opt = lambda v: v if v is not None else empty                          # noqa: E731
         args = (np.float32(cfg.norm_eps), self.attn_norm, self.ffn_norm, opt(self.post_attn_norm),
@@ -455,26 +465,39 @@ class Block:
                 opt(self.bq), opt(self.bk), opt(self.bv), opt(self.q_norm), opt(self.k_norm), cfg.rope_neox,
                 np.float32(cfg.attn_scale if cfg.scale_q else 1.0), np.float32(1.0 if cfg.scale_q else cfg.attn_scale),
                 kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16),
-                None, f32(1, Hq, hd), f32(1, Hkv, hd), f32(Hq, hd),             # None: the block table
+                None, rows(Hq, hd), rows(Hkv, hd), rows(Hq, hd),                # None: the block table
                 self.wo.exact, self.wo.ggml_type, out(self.wo),
                 *group(self.gate_up, 2),
-                self.act is geglu_tanh, gelu_table(), f32(1, F),
-                self.w_down.exact, self.w_down.ggml_type, out(self.w_down), f32(1, D),
+                self.act is geglu_tanh, gelu_table(), rows(F),
+                self.w_down.exact, self.w_down.ggml_type, out(self.w_down), rows(D),
                 *q8(D), *q8(Hq * hd), *q8(F), *ONE_ROW)
         table_arg = next(i for i, a in enumerate(args) if a is None)
-        self._args = (kv.k_cache[self.il], (args, table_arg))
-        return args, table_arg
+        row_args = [i for i, a in enumerate(args) if id(a) in row_bufs]
+        self._args = (kv.k_cache[self.il], (args, table_arg, row_args))
+        return args, table_arg, row_args
 
-    def decode_one(self, x: np.ndarray, kv: KVView, pos: int, cs: np.ndarray) -> np.ndarray:
-        """One token x (1, D) at position pos, in place: exactly the general path's arithmetic (and
-        bits), as one compiled call (kernels.cpu.fused.decode_layer). cs: rope's cos/sin of pos."""
-        args, table_arg = self._layer_args(kv)
+    def decode_rows(self, x: np.ndarray, kv: KVView, pos: int, cs: np.ndarray, scratch: dict) -> np.ndarray:
+        """R tokens x (R, D) at positions pos .. pos+R-1 of one sequence, in place, each with the
+        numbers it gets alone (decode rows: a decode step, a speculative check): exactly the general
+        path's arithmetic (and bits), as one compiled call (kernels.cpu.fused.decode_layer). cs:
+        rope's cos/sin of the positions. scratch: R-row buffers by shape, shared by the layers."""
+        args, table_arg, row_args = self._layer_args(kv)
         args = list(args)
         args[table_arg] = kv.block_table
-        n_kv = pos + 1
-        lo = max(0, n_kv - self.window) if self.window > 0 else 0
-        n_splits = _choose_splits(n_kv - lo, self.cfg.n_head_kv, kv.k_cache[self.il].shape[1])
-        fused.decode_layer(x, pos, cs, lo, -(-(n_kv - lo) // n_splits), lo - lo % 32, *args)
+        R = x.shape[0]
+        if R > 1:
+            for i in row_args:
+                shape = (R,) + args[i].shape[1:]
+                key = (i, shape, args[i].dtype.str)          # each argument its own buffer
+                if key not in scratch:
+                    scratch[key] = np.empty(shape, args[i].dtype)
+                args[i] = scratch[key]
+            args[-3:] = run_arrays([(0, R, False)])
+        n_kv = pos + 1 + np.arange(R, dtype=np.int64)
+        lo = np.maximum(0, n_kv - self.window) if self.window > 0 else np.zeros(R, np.int64)
+        bs = kv.k_cache[self.il].shape[1]
+        chunk = np.array([-(-(n - l) // _choose_splits(n - l, self.cfg.n_head_kv, bs)) for n, l in zip(n_kv, lo)], np.int64)
+        fused.decode_layer(x, pos, cs, lo, chunk, lo - lo % 32, *args)
         return x
 
     def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
@@ -538,9 +561,9 @@ class Decoder:
         logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment;
         vocab_limit: logits of the first vocab_limit tokens only."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.shape[0] == 1 and self._decode_one_ok():
-            logits = self._decode_one(int(tokens[0]), int(start_pos), kv, vocab_limit)
-            return logits if all_logits else logits[0]
+        if (tokens.shape[0] == 1 or decode_rows) and self._decode_one_ok():
+            logits = self._decode_rows(tokens, int(start_pos), kv, all_logits, vocab_limit)
+            return logits if all_logits else logits[-1]
         x, plan = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)], all_rows=all_logits)
         logits = self._logits(x, plan, vocab_limit)                       # (T or 1, n_vocab)
         return logits if all_logits else logits[0]
@@ -549,26 +572,35 @@ class Decoder:
         return (self.llama_rounding and self.output.exact is not None and self.fast_decode
                 and all(block.can_decode_one() for block in self.blocks))
 
-    def _decode_one(self, token: int, pos: int, kv: KVView, vocab_limit: int | None) -> np.ndarray:
-        """One token through Block.decode_one: the logits (1, n_vocab or vocab_limit), equal to the
-        general path's."""
-        x = self.tok_embd.rows(np.array([token]))                        # (1, D)
+    def _decode_rows(self, tokens: np.ndarray, pos: int, kv: KVView, all_logits: bool,
+                     vocab_limit: int | None) -> np.ndarray:
+        """Tokens (R,) at positions pos.. of one sequence through Block.decode_rows, each with the
+        numbers it gets alone: the logits (R or 1 (the last row), n_vocab or vocab_limit), equal to
+        the general path's for decode rows."""
+        R = tokens.shape[0]
+        x = self.tok_embd.rows(tokens)                                    # (R, D)
         if self.cfg.embed_scale != 1.0:
             x *= np.float32(self.cfg.embed_scale)
-        positions = np.array([pos], np.int64)
+        positions = np.arange(pos, pos + R, dtype=np.int64)
         tables = {base: rope_table(positions, base, self.cfg.n_rot) for base in set(self.cfg.layer_rope_base)}
+        scratch: dict = {}
         for block in self.blocks:
-            x = block.decode_one(x, kv, pos, tables[block.rope_base])
+            x = block.decode_rows(x, kv, pos, tables[block.rope_base], scratch)
+        if not all_logits:
+            x = x[-1:]
         h = np.empty_like(x)
         _rms_norm_serial(x, self.output_norm, np.float32(self.cfg.norm_eps), h)
         out = self.output
         n = out.n_rows if vocab_limit is None else min(int(vocab_limit), out.n_rows)
         layout = out.exact[:n] if out.ggml_type == 14 else out.exact[:-(-n // 8)]
-        row = Q8Row(self.cfg.n_embd)
-        fused.quantize_into(h, *row.args(q8_kind(out.ggml_type)))
-        logits = np.empty((1, exact_rows(layout, out.ggml_type)), np.float32)
-        matmul_into(layout, out.ggml_type, row, logits)
-        return logits[:, :n]
+        if h.shape[0] == 1:
+            row = Q8Row(self.cfg.n_embd)
+            fused.quantize_into(h, *row.args(q8_kind(out.ggml_type)))
+            logits = np.empty((1, exact_rows(layout, out.ggml_type)), np.float32)
+            matmul_into(layout, out.ggml_type, row, logits)
+            return logits[:, :n]
+        rows = Int8Rows(h, VEC_DOT_KIND[out.ggml_type])
+        return out.matmul_int8(rows, n, run_arrays([(0, h.shape[0], False)]))
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Several sequences in one pass (continuous batching): tokens (T,) in segment order, each

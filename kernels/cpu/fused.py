@@ -1,7 +1,8 @@
-"""The small steps of one decode token, fused: each call chains kernels that already exist (the same
-arithmetic, so the same bits), on preallocated one-row buffers. A decode step runs a dozen of
-these per layer instead of thirty Python-level operations, which on qwen 0.5B was ~4 ms of a
-~25 ms token (models.transformer.Block.decode_one uses them)."""
+"""The small steps of decode tokens, fused: each call chains kernels that already exist (the same
+arithmetic, so the same bits), on preallocated row buffers. A decode step runs one compiled call
+per layer instead of thirty Python-level operations, which on qwen 0.5B was ~4 ms of a ~25 ms
+token (models.transformer.Block.decode_rows uses them). The rows are one token, or the few
+tokens of a speculative check, each with the arithmetic it gets alone."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,22 +35,26 @@ def norm_quantize(x, w, eps, h, kind, xq, dx, sx, bs16, bsp):
 
 @njit(cache=True, error_model="numpy")
 def attn_inputs(q, k, v, bq, bk, bv, qn, kn, eps, cs, neox, q_scale, k_cache, v_cache, block_table, pos, q16, kbuf):
-    """One token's q (1, Hq, hd), k, v (1, Hkv, hd) as the attention takes them, in the order of
+    """R tokens' q (R, Hq, hd), k, v (R, Hkv, hd) as the attention takes them, in the order of
     llama.cpp's graph: biases (bq.size > 0), per-head RMSNorm of q and k (qn.size > 0), rope (cs:
-    this position's cos/sin), q times q_scale (gemma; 1 = none) and rounded to float16 into q16;
-    k and v written into the float16 cache at pos."""
-    if bq.size:
-        q += bq.reshape(q.shape)
-        k += bk.reshape(k.shape)
-        v += bv.reshape(v.shape)
-    if qn.size:
-        _rms_norm_serial(q[0], qn, eps, q[0])
-        _rms_norm_serial(k[0], kn, eps, k[0])
+    the positions' cos/sin), q times q_scale (gemma; 1 = none) and rounded to float16 into q16;
+    k and v written into the float16 cache at pos .. pos+R-1."""
+    R, Hq, hd = q.shape
+    Hkv = k.shape[1]
+    for r in range(R):
+        if bq.size:
+            q[r] += bq.reshape(Hq, hd)
+            k[r] += bk.reshape(Hkv, hd)
+            v[r] += bv.reshape(Hkv, hd)
+        if qn.size:
+            _rms_norm_serial(q[r], qn, eps, q[r])
+            _rms_norm_serial(k[r], kn, eps, k[r])
     _rope_serial(q, cs, neox, q16)
     _rope_serial(k, cs, neox, kbuf)
     if q_scale != np.float32(1.0):
         q16 *= q_scale
-    _round_to_f16(q16[0], q16[0])
+    for r in range(R):
+        _round_to_f16(q16[r], q16[r])
     _write_kv_serial(k_cache, v_cache, block_table, pos, kbuf, v)
 
 
@@ -63,11 +68,12 @@ def attend_one(q16, k_cache, v_cache, block_table, lo, hi, chunk, key0, scale, S
 
 @njit(cache=True, error_model="numpy")
 def act_quantize(gate, up, geglu, gelu_table, a, kind, xq, dx, sx, bs16, bsp):
-    """a = act(gate) * up (SwiGLU, or GeGLU through ggml's float16 table), then quantized."""
-    if geglu:
-        _geglu_tanh_serial(gate[0], up[0], a[0], gelu_table)
-    else:
-        _swiglu_serial(gate[0], up[0], a[0])
+    """a = act(gate) * up (SwiGLU, or GeGLU through ggml's float16 table) row by row, then quantized."""
+    for r in range(gate.shape[0]):
+        if geglu:
+            _geglu_tanh_serial(gate[r], up[r], a[r], gelu_table)
+        else:
+            _swiglu_serial(gate[r], up[r], a[r])
     quantize_into(a, kind, xq, dx, sx, bs16, bsp)
 
 
@@ -102,7 +108,7 @@ def project(h, W0, W1, W2, types, xq, dx0, sx, dxk, bs16, bsp, rs, rl, rb, out0,
 
 
 @njit(cache=True, error_model="numpy")
-def decode_layer(x, pos, cs, lo, chunk, key0,                                   # this token
+def decode_layer(x, pos, cs, lo, chunk, key0,                                   # these tokens
                  eps, attn_norm, ffn_norm, post_attn_norm, post_ffn_norm,       # norms (post: size 0 = none)
                  Wqkv0, Wqkv1, Wqkv2, qkv_types, qkv_where, qkv0, qkv1, qkv2,   # q, k, v: parts and members
                  bq, bk, bv, qn, kn, neox, q_scale, kq_scale,
@@ -110,15 +116,17 @@ def decode_layer(x, pos, cs, lo, chunk, key0,                                   
                  Wo, o_type, o_buf,
                  Wgu0, Wgu1, gu_types, gu_where, gu0, gu1, geglu, gelu_tab, a,
                  Wd, d_type, d_buf, h,
-                 xq_d, dx0_d, sx_d, dxk_d, bs16_d, bsp_d,                      # q8 forms of a (1, D) row
-                 xq_o, dx0_o, sx_o, dxk_o, bs16_o, bsp_o,                      # ... of attention's (1, Hq*hd)
-                 xq_f, dx0_f, sx_f, dxk_f, bs16_f, bsp_f,                      # ... of the FFN's (1, F)
+                 xq_d, dx0_d, sx_d, dxk_d, bs16_d, bsp_d,                      # q8 forms of (R, D) rows
+                 xq_o, dx0_o, sx_o, dxk_o, bs16_o, bsp_o,                      # ... of attention's (R, Hq*hd)
+                 xq_f, dx0_f, sx_f, dxk_f, bs16_f, bsp_f,                      # ... of the FFN's (R, F)
                  rs, rl, rb):
-    """One layer of one decode token, in place on x (1, D): models.transformer.Block.decode_one's
-    steps (the general path's arithmetic) in one compiled call, so a token costs one dispatch per
-    layer instead of a few dozen Python operations. where[m] = (part, first column, n_rows) of
-    member m (q, k, v / gate, up) in its part's output."""
-    D = x.shape[1]
+    """One layer of R decode tokens at positions pos .. pos+R-1, in place on x (R, D):
+    models.transformer.Block.decode_rows's steps (the general path's arithmetic for decode rows:
+    every matrix with the one-row arithmetic, runs rs/rl/rb; each row's attention as the one-token
+    kernel gives it) in one compiled call. lo, chunk, key0 (R,): each row's first visible key and
+    its attention split. where[m] = (part, first column, n_rows) of member m (q, k, v / gate, up)
+    in its part's output."""
+    R, D = x.shape
     _, Hq, hd = q16.shape
     Hkv = kbuf.shape[1]
     # attention
@@ -127,15 +135,16 @@ def decode_layer(x, pos, cs, lo, chunk, key0,                                   
             qkv0, qkv1, qkv2)
     mq, mk, mv = _member(qkv_where, 0, qkv0, qkv1, qkv2), _member(qkv_where, 1, qkv0, qkv1, qkv2), \
         _member(qkv_where, 2, qkv0, qkv1, qkv2)
-    q = np.ascontiguousarray(mq).reshape(1, Hq, hd)
-    k = np.ascontiguousarray(mk).reshape(1, Hkv, hd)
-    v = np.ascontiguousarray(mv).reshape(1, Hkv, hd)
+    q = np.ascontiguousarray(mq).reshape(R, Hq, hd)
+    k = np.ascontiguousarray(mk).reshape(R, Hkv, hd)
+    v = np.ascontiguousarray(mv).reshape(R, Hkv, hd)
     attn_inputs(q, k, v, bq, bk, bv, qn, kn, eps, cs, neox, q_scale, k_cache, v_cache, block_table, pos, q16, kbuf)
-    n_kv = pos + 1
-    S = np.empty((Hq, -(-(n_kv - key0) // 8) * 8), np.float32)
-    attend_one(q16[0], k_cache, v_cache, block_table, lo, n_kv, chunk, key0, kq_scale, S, att)
+    for r in range(R):
+        n_kv = pos + r + 1
+        S = np.empty((Hq, -(-(n_kv - key0[r]) // 8) * 8), np.float32)
+        attend_one(q16[r], k_cache, v_cache, block_table, lo[r], n_kv, chunk[r], key0[r], kq_scale, S, att[r])
     kind = Q8_0 if o_type == 6 or o_type == 8 else Q8_K
-    quantize_into(att.reshape(1, Hq * hd), kind, xq_o, dx0_o if kind == Q8_0 else dxk_o, sx_o, bs16_o, bsp_o)
+    quantize_into(att.reshape(R, Hq * hd), kind, xq_o, dx0_o if kind == Q8_0 else dxk_o, sx_o, bs16_o, bsp_o)
     matmul_row(Wo, o_type, xq_o, dx0_o, sx_o, dxk_o, bs16_o, bsp_o, rs, rl, rb, o_buf)
     o = o_buf[:, :D]
     if post_attn_norm.size:

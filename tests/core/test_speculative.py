@@ -50,7 +50,7 @@ class ScriptedDraftModel:
     def _reuse_prefix(self, ids):
         return 0
 
-    def _forward(self, ids, vocab_limit=None):
+    def _forward(self, ids, vocab_limit=None, decode_rows=None):
         self.n += len(ids)
         p = np.full(self.n_vocab, (1 - self.top_p[self.n]) / (self.n_vocab - 1))
         p[self.n + 1] = self.top_p[self.n]

@@ -120,10 +120,18 @@ def test_native_equals_llamacpp_bit_for_bit(arch, qtype, tiny_model):
     assert native.model._decode_one_ok()      # one-token steps take the fused decode path
     stepwise = np.stack([native._forward([t]) for t in IDS])
     native.seq.release()
+    native._forward(IDS[:3])                  # a speculative check: 5 decode rows, fused, in one call
+    check = native._forward_all(IDS[3:8])
+    native.seq.release()
     native.model.fast_decode = False          # ... which equals the general path bit for bit
     general = np.stack([native._forward([t]) for t in IDS])
+    native.seq.release()
+    native._forward(IDS[:3])
+    check_general = native._forward_all(IDS[3:8])
     native.close()
     np.testing.assert_array_equal(stepwise, general)
+    np.testing.assert_array_equal(check, check_general)
+    np.testing.assert_array_equal(check, stepwise[3:8])   # each row: the numbers it gets alone
     ll = LlamaCppBackend(g, tok, 256, 2, logits_all=True)
     try:
         ref_batched = ll.logits_all(IDS)
