@@ -28,7 +28,7 @@ from numba import njit, prange
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu import ops
-from kernels.cpu.attention_avx2 import (tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_residue,
+from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
                                         scale_max8, widen8, widen_transpose8)
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin
 from kernels.cpu.quant import round_f16
@@ -379,34 +379,51 @@ def _decode_softmax(S, key0, lo, hi, scale):
         _softmax_row(S[h], 0, S.shape[1], key0, lo, hi - 1, scale)
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _pv_reduce(acc, G, h0, e0, out):
+    """GGML_F32x8_REDUCE of vd_pv_tile's 32 chains per head dim: out[h0+g, e0 .. e0+PV_DIMS]."""
+    x = np.empty(8, np.float32)
+    for g in range(G):
+        a = acc[g * PV_HEAD_STRIDE:g * PV_HEAD_STRIDE + 32 * PV_DIMS]
+        for e in range(PV_DIMS):
+            for lane in range(8):
+                x[lane] = (a[lane * PV_DIMS + e] + a[(16 + lane) * PV_DIMS + e]) + \
+                    (a[(8 + lane) * PV_DIMS + e] + a[(24 + lane) * PV_DIMS + e])
+            out[h0 + g, e0 + e] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _pv_group(P, G, vf, block_table, bs, head_off, kstride, key0, hi, e0, acc, vbuf):
+    """P@V chains of a kv head's G query heads (P's rows), head dims e0 .. e0+PV_DIMS-1, tile by
+    tile of keys from key0 (key0 % 32 == 0) to hi > key0, into acc (see vd_pv_tile)."""
+    for t0 in range(key0, hi, PV_TILE):
+        n = min(PV_TILE, hi - t0)
+        for j in range(t0, t0 + n):
+            widen8(vf, (block_table[j // bs] * bs + j % bs) * kstride + head_off + e0, vbuf, (j - t0) * PV_DIMS, PV_DIMS)
+        vd_pv_tile(P, G, t0 - key0, n, vbuf, acc, 1 if t0 == key0 else 0)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _decode_pv(P, v_cache, block_table, key0, hi, out):
     """out[h] = ggml_vec_dot_f16 of the probabilities P[h] and each V column over the key cells:
     key j feeds accumulator (j % 32) // 8, lane j % 8, chains in steps of 32 keys, then
-    GGML_F32x8_REDUCE. Key j's residue r = j % 32 is one chain per head dim (vd_pv_residue, head dims
-    in the vector lanes), and the 32 chains per dim are reduced in the same tree. Work items: (head,
-    64 head dims)."""
+    GGML_F32x8_REDUCE. Key j's residue r = j % 32 is one chain per head dim (head dims in the
+    vector lanes), and the 32 chains per dim are reduced in the same tree. Work items: (kv head,
+    PV_DIMS head dims), for all the query heads of the group at once (each V row is widened once
+    for them, vd_pv_tile)."""
     Hq, span = P.shape
     bs, Hkv, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     vf = v_cache.reshape(-1)
     kstride = Hkv * hd
     G = Hq // Hkv
-    n_e = hd // 64
-    for w in prange(Hq * n_e):
-        h = w // n_e
-        e0 = (w % n_e) * 64
-        acc = np.empty(32 * 64, np.float32)
-        prow = P[h]
-        for r in range(32):
-            j = key0 + r
-            n_steps = (hi - j + 31) // 32 if j < hi else 0
-            vd_pv_residue(prow, r, vf, block_table, bs, (h // G) * hd, kstride, j, n_steps, e0, acc, r * 64)
-        for e in range(64):
-            x = np.empty(8, np.float32)
-            for lane in range(8):
-                x[lane] = (acc[lane * 64 + e] + acc[(16 + lane) * 64 + e]) + \
-                    (acc[(8 + lane) * 64 + e] + acc[(24 + lane) * 64 + e])
-            out[h, e0 + e] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]))
+    n_e = hd // PV_DIMS
+    for w in prange(Hkv * n_e):
+        kvh = w // n_e
+        e0 = (w % n_e) * PV_DIMS
+        acc = np.empty(G * PV_HEAD_STRIDE, np.float32)
+        vbuf = np.empty(PV_TILE * PV_DIMS, np.float32)
+        _pv_group(P[kvh * G:(kvh + 1) * G], G, vf, block_table, bs, kvh * hd, kstride, key0, hi, e0, acc, vbuf)
+        _pv_reduce(acc, G, kvh * G, e0, out)
 
 
 _decode_scores_serial = serial_twin(_decode_scores)
@@ -418,7 +435,7 @@ _decode_pv_serial = serial_twin(_decode_pv)
 def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, out):
     """Many one-token queries at once, each over its own sequence's cache: query r (row r of q, at
     position n_kvs[r] - 1, block table tables[r]) gets exactly attention_decode's numbers (the same
-    vd_dot scores, _softmax_row and vd_pv_residue chains; only the work is split differently: one
+    vd_dot scores, _softmax_row and P@V chains; only the work is split differently: one
     item per (query, kv head)). Why: a batch step with 32 sequences otherwise pays 32 x 3 kernel
     launches per layer, most of the step for short contexts."""
     R, Hq, hd = q.shape
@@ -442,21 +459,11 @@ def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, out):
             for g in range(G):
                 S[g, j - key0] = vd_dot(qf, (r * Hq + kvh * G + g) * hd, kf, base, hd)
         _softmax_rows(S.reshape(-1), G, width, key0, np.full(G, lo, np.int64), np.full(G, hi - 1, np.int64), scale)
-        acc = np.empty(32 * 64, np.float32)
-        x = np.empty(8, np.float32)
-        for g in range(G):
-            h = kvh * G + g
-            prow = S[g]
-            for e0 in range(0, hd, 64):
-                for rr in range(32):
-                    j = key0 + rr
-                    n_steps = (hi - j + 31) // 32 if j < hi else 0
-                    vd_pv_residue(prow, rr, vf, table, bs, kvh * hd, kstride, j, n_steps, e0, acc, rr * 64)
-                for e in range(64):
-                    for lane in range(8):
-                        x[lane] = (acc[lane * 64 + e] + acc[(16 + lane) * 64 + e]) + \
-                            (acc[(8 + lane) * 64 + e] + acc[(24 + lane) * 64 + e])
-                    out[r, h, e0 + e] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]))
+        acc = np.empty(G * PV_HEAD_STRIDE, np.float32)
+        vbuf = np.empty(PV_TILE * PV_DIMS, np.float32)
+        for e0 in range(0, hd, PV_DIMS):
+            _pv_group(S, G, vf, table, bs, kvh * hd, kstride, key0, hi, e0, acc, vbuf)
+            _pv_reduce(acc, G, kvh * G, e0, out[r])
 
 
 _decode_rows_serial = serial_twin(_decode_rows)

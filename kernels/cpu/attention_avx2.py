@@ -114,32 +114,57 @@ def vd_dot(typingctx, a, ia, b, ib, n):
     return sig, codegen
 
 
+PV_DIMS = 32     # head dims per P@V work item: 32 chains x PV_DIMS x G heads of accumulators fit L1
+PV_TILE = 128    # keys whose V rows (PV_DIMS of them) are widened to float32 once for the G heads
+# floats between two heads' accumulators: 64 bytes more than 4 KB, so that one head's accumulators
+# do not alias (mod 4096) the previous one's
+PV_HEAD_STRIDE = 32 * PV_DIMS + 16
+
+
 @intrinsic
-def vd_pv_residue(typingctx, p, ip, vf, block_table, bs, head_off, kstride, key0, n_steps, e0, acc, iacc):
-    """One residue of ggml_vec_dot_f16 over the key cells, for head dims e0 .. e0+63: the keys key0,
-    key0+32, key0+64, ... (s < n_steps; p[ip + 32*s] their probabilities) accumulate in order into
-    8 vectors of head dims, stored at acc[iacc .. iacc+64]. V row of key j: float16 bits at
-    vf[(block_table[j // bs] * bs + j % bs) * kstride + head_off + e0]."""
-    sig = types.void(p, ip, vf, block_table, bs, head_off, kstride, key0, n_steps, e0, acc, iacc)
+def vd_pv_tile(typingctx, P, G, i0, n, vbuf, acc, first):
+    """One tile of P@V for the G query heads of a kv head: the keys i0 .. i0+n-1 of P's rows (i0 %
+    32 == 0), their V rows widened in vbuf[(i - i0) * PV_DIMS ..] (float32). Key i goes into chain
+    i % 32 of each head: acc[g * PV_HEAD_STRIDE + (i % 32) * PV_DIMS ..], in order of i, which is
+    ggml_vec_dot_f16's chain over the key cells (accumulator (i % 32) // 8, lane i % 8). A chain's
+    PV_DIMS / 8 vectors stay in registers over its keys of the tile. first != 0: the chains start
+    from zero (acc is not read; all 32 chains are written). Why: each V row is widened once per kv
+    head (not once per query head) and V is read in key order (not 32 keys apart): P@V over 2000
+    keys 1.07-1.32x faster than one chain at a time (qwen 0.5B, 1.5B, gemma heads; ~0.9x at 200)."""
+    sig = types.void(P, G, i0, n, vbuf, acc, first)
+    NV = PV_DIMS // 8
 
     def codegen(context, builder, signature, args):
-        pa, va, ta, aa = (array(context, builder, signature.args[k], args[k]) for k in (0, 2, 3, 10))
-        ip, bs, head_off, kstride, key0, n_steps, e0, iacc = (as_i64(builder, args[k]) for k in (1, 4, 5, 6, 7, 8, 9, 11))
-        vdata = builder.bitcast(va.data, ir.HalfType().as_pointer())
+        pa, ba, aa = (array(context, builder, signature.args[k], args[k]) for k in (0, 4, 5))
+        G, i0, n, first = (as_i64(builder, args[k]) for k in (1, 2, 3, 6))
+        is_first = builder.icmp_signed("!=", first, c64(0))
         zero = ir.Constant(V8F, [0.0] * 8)
-        regs = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
-        with cgutils.for_range(builder, n_steps) as loop:
-            s = loop.index
-            pv = splat(builder, builder.load(builder.gep(pa.data, [builder.add(ip, builder.mul(s, c64(32)))])), V8F)
-            j = builder.add(key0, builder.mul(s, c64(32)))
-            blk = as_i64(builder, builder.load(builder.gep(ta.data, [builder.sdiv(j, bs)])))
-            cell = builder.add(builder.mul(blk, bs), builder.srem(j, bs))
-            row = builder.add(builder.add(builder.mul(cell, kstride), head_off), e0)
-            for v in range(8):
-                vv = _load8(builder, vdata, builder.add(row, c64(8 * v)), True)
-                builder.store(fma(builder, pv, vv, builder.load(regs[v])), regs[v])
-        for v in range(8):
-            vstore(builder, builder.load(regs[v]), builder.gep(aa.data, [builder.add(iacc, c64(8 * v))]))
+        span = builder.sdiv(builder.extract_value(pa.strides, 0), c64(4))       # P's row stride in floats
+        with cgutils.for_range(builder, G) as gl:
+            g = gl.index
+            prow = builder.gep(pa.data, [builder.add(builder.mul(g, span), i0)])
+            n_chains = builder.select(builder.or_(is_first, builder.icmp_signed(">", n, c64(32))), c64(32), n)
+            with cgutils.for_range(builder, n_chains) as rl:
+                r = rl.index
+                accp = builder.gep(aa.data, [builder.add(builder.mul(g, c64(PV_HEAD_STRIDE)), builder.mul(r, c64(PV_DIMS)))])
+                regs = [cgutils.alloca_once(builder, V8F) for _ in range(NV)]
+                with builder.if_else(is_first) as (then, otherwise):
+                    with then:
+                        for v in range(NV):
+                            builder.store(zero, regs[v])
+                    with otherwise:
+                        for v in range(NV):
+                            builder.store(vload(builder, builder.gep(accp, [c64(8 * v)]), V8F), regs[v])
+                steps = builder.sdiv(builder.add(builder.sub(n, r), c64(31)), c64(32))
+                with cgutils.for_range(builder, steps) as tl:
+                    kl = builder.add(r, builder.mul(tl.index, c64(32)))
+                    pv = splat(builder, builder.load(builder.gep(prow, [kl])), V8F)
+                    vrow = builder.gep(ba.data, [builder.mul(kl, c64(PV_DIMS))])
+                    for v in range(NV):
+                        vv = vload(builder, builder.gep(vrow, [c64(8 * v)]), V8F)
+                        builder.store(fma(builder, pv, vv, builder.load(regs[v])), regs[v])
+                for v in range(NV):
+                    vstore(builder, builder.load(regs[v]), builder.gep(accp, [c64(8 * v)]))
         return context.get_dummy_value()
 
     return sig, codegen

@@ -212,7 +212,7 @@ def test_parallel_and_serial_kernels(threshold, softmax, monkeypatch):
 
 ROWS_CASES = [
     # (lengths of the sequences, hq, hkv, hd, bs, window)
-    ((1, 2, 33, 100), 14, 2, 64, 16, 0),
+    ((1, 2, 33, 300), 14, 2, 64, 16, 0),    # 300: P@V over several tiles of keys
     ((5, 70, 31), 4, 1, 256, 16, 8),       # gemma's head dim, a window (some rows start inside a 32-key step)
     ((17, 40), 8, 8, 128, 4, 0),           # blocks smaller than an 8-key chunk
     ((64, 65, 3), 4, 2, 64, 32, 45),
