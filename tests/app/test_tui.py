@@ -318,3 +318,38 @@ async def test_a_killed_engine_process_is_an_error_not_a_crash(tmp_path, gemma_p
         await app.send("Hello again")
         await wait_until(pilot, lambda: app.reply_widget is not None and not app.generating, 120, "a reply")
         assert app.reply_widget.status == "complete" and app.reply_widget.content
+
+
+async def test_five_turns_reuse_the_history_and_the_status_bar_shows_it(tmp_path):
+    """`kvchat chat` on the native engine, five turns: each turn prefills only its new tail, the rest
+    of the conversation comes from the KV cache, and the status bar's cache_n grows turn by turn."""
+    import re
+
+    from core.engine import Engine
+    from tests.app.conftest import MODEL, N_CTX
+
+    native = Engine(MODEL, backend="native", n_ctx=N_CTX, threads=2)
+    db = tmp_path / "h.db"
+    try:
+        native.backend.reset()
+        app = make_app(native, db, max_tokens=8)
+        shown = []
+        async with app.run_test(size=(120, 24)) as pilot:
+            for text in ["Tell me about owls", "And about bats", "Which one sleeps longer",
+                         "Where do they live", "Thanks"]:
+                await type_and_send(pilot, text)
+                await wait_until(pilot, lambda: app.generating or app.reply_widget is not None, 60, "the reply to start")
+                await wait_until(pilot, lambda: not app.generating, 120, "the reply to finish")
+                await pilot.pause()
+                status = str(app.query_one("#status").render())
+                shown.append(int(re.search(r"cache_n (\d+)", status).group(1)))
+        stored = [m.timings for m in History(db).messages(app.conversation_id) if m.role == "assistant"]
+        assert len(stored) == 5
+        assert shown == [t["cache_n"] for t in stored]
+        assert all(b > a for a, b in zip(shown[1:], shown[2:])) and shown[1] > 0, shown   # grows every turn
+        # each turn prefills only its new tail (the last reply and the new message: a base model's plain
+        # transcript re-tokenizes the reply), however long the conversation gets: the TTFT stays flat
+        tails = [t["prompt_n"] for t in stored[1:]]
+        assert max(tails) < 30 and stored[-1]["cache_n"] > 2 * max(tails), stored
+    finally:
+        native.close()
