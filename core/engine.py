@@ -83,7 +83,9 @@ class Engine:
 
     def prompt_ids(self, messages: Sequence[Message | dict] | str, chat: bool = True) -> list[int]:
         """Token ids for a conversation (through the chat template) or for raw text (plain completion).
-        Without a template, a conversation becomes its messages' text joined by blank lines."""
+        Without a template (a base model) a conversation is a plain transcript: its messages joined by
+        blank lines, except that a reply continues the text before it, as the model wrote it. So the
+        next turn's prompt starts with the tokens the KV cache already holds, reply included."""
         if isinstance(messages, str):
             messages = [Message("user", messages)]
         msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
@@ -93,8 +95,13 @@ class Engine:
             bos_text = tok.tokens[tok.bos_id] if tok.bos_id is not None else None
             add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))
             return tok.encode(text, add_bos=add_bos, special=True)
-        text = "\n\n".join(m["content"] for m in msgs if m["content"])
-        return tok.encode(text, add_bos=tok.add_bos, special=False)
+        parts: list[str] = []
+        for m in msgs:
+            if m["content"]:
+                if parts and m["role"] != "assistant":
+                    parts.append("\n\n")
+                parts.append(m["content"])
+        return tok.encode("".join(parts), add_bos=tok.add_bos, special=False)
 
     def fit_prompt(self, messages: Sequence[Message | dict], chat: bool = True,
                    reserve: int = 0) -> tuple[list[int], bool]:

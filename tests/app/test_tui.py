@@ -346,10 +346,10 @@ async def test_five_turns_reuse_the_history_and_the_status_bar_shows_it(tmp_path
         stored = [m.timings for m in History(db).messages(app.conversation_id) if m.role == "assistant"]
         assert len(stored) == 5
         assert shown == [t["cache_n"] for t in stored]
-        assert all(b > a for a, b in zip(shown[1:], shown[2:])) and shown[1] > 0, shown   # grows every turn
-        # each turn prefills only its new tail (the last reply and the new message: a base model's plain
-        # transcript re-tokenizes the reply), however long the conversation gets: the TTFT stays flat
+        assert all(b > a for a, b in zip(shown, shown[1:])), shown                          # grows every turn
+        # each turn prefills only its new tail (the reply's last token, a blank line, the new message),
+        # however long the conversation gets: the TTFT stays flat
         tails = [t["prompt_n"] for t in stored[1:]]
-        assert max(tails) < 30 and stored[-1]["cache_n"] > 2 * max(tails), stored
+        assert max(tails) < 12 and stored[-1]["cache_n"] > 4 * max(tails), stored
     finally:
         native.close()
