@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.cpu.libm import rope_theta_scale
+
 
 def dequantize_ref(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
     """gguf-py's dequantizer, the spec for every block layout -> float32 (n_rows, n_cols)."""
@@ -31,7 +33,7 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_r
     exact pos * base^(-2i/n_rot); llama.cpp's model runs with these). The rest is float64."""
     T, H, hd = x.shape
     n_rot = hd if n_rot is None else n_rot
-    theta_scale = np.power(np.float32(theta), np.float32(-2.0) / np.float32(n_rot), dtype=np.float32)
+    theta_scale = rope_theta_scale(theta, n_rot)
     out = x.astype(np.float64).copy()
     for t in range(T):
         ang = np.float32(positions[t])

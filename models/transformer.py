@@ -9,7 +9,6 @@ Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from kernels.cpu.qdot import (EXACT_TYPES, ONE_ROW, VEC_DOT_KIND, Int8Rows, Q8Ro
 from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
                          rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
+from kernels.cpu.libm import inv_sqrtf
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
 
@@ -61,7 +61,7 @@ class DecoderConfig:
         if self.n_head % self.n_head_kv:
             raise BadInputError(f"{self.n_head} query heads do not split into {self.n_head_kv} kv groups")
         if self.attn_scale == 0.0:
-            object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
+            object.__setattr__(self, "attn_scale", float(inv_sqrtf(self.head_dim)))   # ggml's float32 rounding
         local = [self.swa_pattern > 0 and self.sliding_window > 0 and il % self.swa_pattern < self.swa_pattern - 1
                  for il in range(self.n_layer)]
         object.__setattr__(self, "layer_window", tuple(self.sliding_window if loc else 0 for loc in local))

@@ -1,4 +1,8 @@
 """CPU kernels (numba): GGML dequantization, quantized GEMV/GEMM, norms/rope/activations, paged flash attention."""
+from kernels.cpu import isa
+
+isa.apply()   # before any kernel compiles: KVCHAT_ISA picks the instruction set
+
 from kernels.cpu.attention import (attention_decode, attention_decode_rows, attention_prefill, block_slots, write_kv,
                                   write_kv_slots)
 from kernels.cpu.matmul import QMatrix

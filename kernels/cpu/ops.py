@@ -11,6 +11,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels.cpu.libm import rope_theta_scale
+
 # fastmath without nnan/ninf: -inf is a legal input (masked logits).
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # Below this many elements a kernel runs on the calling thread: waking the thread pool costs
@@ -265,8 +267,7 @@ def rope_table(positions: np.ndarray, theta: float, n_rot: int) -> np.ndarray:
     pass and base, and shared by every layer's q and k (the trig was most of rope's time)."""
     if n_rot % 2:
         raise ValueError(f"n_rot={n_rot} must be even")
-    # powf(freq_base, -2.0f/n_dims), as ggml_rope_cache_init
-    theta_scale = np.power(np.float32(theta), np.float32(-2.0) / np.float32(n_rot), dtype=np.float32)
+    theta_scale = rope_theta_scale(theta, n_rot)   # libm's powf: numpy's is CPU-dependent
     positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
     cs = np.empty((positions.shape[0], n_rot // 2, 2), np.float32)
     pick(_rope_table, _rope_table_serial, cs.size)(positions, np.float32(theta_scale), cs)

@@ -56,7 +56,8 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
     return gguf.quants.quantize(data, t), t
 
 
-def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0) -> Path:
+def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None) -> Path:
+    """rope_base: llama's and qwen2's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -67,7 +68,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0) -> Path:
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_HEAD_KV)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1e4 if arch != "gemma3" else 1e6)
+    w.add_rope_freq_base(rope_base or (1e4 if arch != "gemma3" else 1e6))
     w.add_file_type(0)
     if arch == "gemma3":
         w.add_key_length(HEAD_DIM)
@@ -132,14 +133,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    """tiny_model(arch, qtype) -> (GGUFFile, Tokenizer), written once per session."""
+    """tiny_model(arch, qtype, rope_base=None) -> (GGUFFile, Tokenizer), written once per session."""
     made = {}
 
-    def make(arch: str, qtype: str):
-        if (arch, qtype) not in made:
-            path = write_tiny_model(tiny_model_dir / f"{arch}-{qtype}.gguf", arch, qtype)
+    def make(arch: str, qtype: str, rope_base: float | None = None):
+        key = arch, qtype, rope_base
+        if key not in made:
+            name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "")
+            path = write_tiny_model(tiny_model_dir / f"{name}.gguf", arch, qtype, rope_base=rope_base)
             g = open_model(path)
-            made[arch, qtype] = (g, Tokenizer.from_gguf(g))
-        return made[arch, qtype]
+            made[key] = (g, Tokenizer.from_gguf(g))
+        return made[key]
 
     return make

@@ -109,11 +109,16 @@ def test_llamacpp_oracle_is_the_avx2_build():
     assert "AVX512" not in info and "AMX" not in info, info
 
 
+# Rope bases: llama and qwen2 at Llama 2's 1e4 and Llama 3's 5e5; gemma3 at 1e6 (global layers) and
+# 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
+ROPE_CASES = [("llama", 1e4), ("llama", 5e5), ("qwen2", 1e4), ("qwen2", 5e5), ("gemma3", None)]
+
+
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_native_equals_llamacpp_bit_for_bit(arch, qtype, tiny_model):
+@pytest.mark.parametrize("arch,rope_base", ROPE_CASES, ids=[f"{a}-{b or 'default'}" for a, b in ROPE_CASES])
+def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, qtype, tiny_model):
     """The same quantized file through both engines: identical logits, batched and stepwise."""
-    g, tok = tiny_model(arch, qtype)
+    g, tok = tiny_model(arch, qtype, rope_base)
     native = NativeBackend(g, tok, 256, 2)
     batched = native.logits_all(IDS)
     native.seq.release()

@@ -1,0 +1,82 @@
+"""The forward pass's float constants are the C library's, bit for bit, whatever numpy dispatches.
+
+llama.cpp computes them with glibc's powf/sqrtf (ggml_rope_cache_init, the graphs' kq_scale).
+numpy's float32 ufuncs are SIMD routines picked by the CPU (an AVX-512 powf on Zen 4/5 is one ulp
+off glibc's for theta = 1e4), so these tests call glibc here through ctypes, independently of
+kernels.cpu.libm, and tests/engine/test_cpu_variants.py runs them again under every numpy dispatch
+level this CPU has (NPY_DISABLE_CPU_FEATURES).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+import numpy as np
+import pytest
+
+from kernels.cpu import isa
+from kernels.cpu.libm import inv_sqrtf, rope_theta_scale
+from kernels.cpu.ops import rope_table
+from models.transformer import DecoderConfig
+
+LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
+for _name, _n in (("powf", 2), ("sqrtf", 1), ("cosf", 1), ("sinf", 1)):
+    getattr(LIBM, _name).restype = ctypes.c_float
+    getattr(LIBM, _name).argtypes = [ctypes.c_float] * _n
+
+# Llama 2 / Gemma 3 local layers (1e4), Llama 3 (5e5), Qwen 2.5 / Gemma 3 global (1e6), others seen in GGUFs
+BASES = [1e4, 5e5, 1e6, 1e5, 2.5e5, 8e6, 75000.0, 1e7, 10000.5]
+N_ROTS = [32, 64, 80, 96, 128, 160, 256]
+
+
+def bits(x) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+@pytest.mark.parametrize("n_rot", N_ROTS)
+def test_rope_theta_scale_is_glibc_powf(n_rot):
+    for base in BASES:
+        want = LIBM.powf(float(np.float32(base)), float(np.float32(-2.0) / np.float32(n_rot)))
+        assert bits(rope_theta_scale(base, n_rot)) == bits(want), (base, n_rot)
+
+
+@pytest.mark.parametrize("n_rot", [64, 128])
+@pytest.mark.parametrize("base", [1e4, 5e5, 1e6])
+def test_rope_table_angles_are_ggml_s(base, n_rot):
+    """ggml: theta = pos, then theta *= theta_scale pair by pair (float32), cos/sin by libm."""
+    positions = np.array([0, 1, 7, 513, 4095])
+    table = rope_table(positions, base, n_rot)                          # (T, n_rot/2, 2)
+    scale = np.float32(LIBM.powf(float(np.float32(base)), float(np.float32(-2.0) / np.float32(n_rot))))
+    for t, pos in enumerate(positions):
+        theta = np.float32(pos)
+        for i in range(n_rot // 2):
+            assert bits(table[t, i, 0]) == bits(LIBM.cosf(float(theta))), (pos, i)
+            assert bits(table[t, i, 1]) == bits(LIBM.sinf(float(theta))), (pos, i)
+            theta = np.float32(theta * scale)
+
+
+def test_attention_scale_is_ggml_float_arithmetic():
+    """llama.cpp: kq_scale = 1.0f/sqrtf(float(n_embd_head)), two float32 roundings; for head dims
+    such as 96 (Phi-3) that is not float32(1/sqrt(96)) computed in double."""
+    differs = 0
+    for hd in range(1, 513):
+        want = np.float32(np.float32(1.0) / np.float32(LIBM.sqrtf(float(hd))))
+        assert bits(inv_sqrtf(hd)) == bits(want), hd
+        differs += bits(want) != bits(np.float32(1.0 / np.sqrt(np.float64(hd))))
+    assert differs > 0    # the double-precision formula really is a different number for some dims
+    cfg = DecoderConfig(n_vocab=32, n_embd=96 * 4, n_layer=1, n_head=4, n_head_kv=4, head_dim=96, n_ff=64,
+                        n_ctx_train=64, norm_eps=1e-6, rope_base=1e4, n_rot=96, rope_neox=False)
+    assert bits(cfg.attn_scale) == bits(np.float32(1.0) / np.float32(LIBM.sqrtf(96.0)))
+
+
+def test_forced_cpu_choices_are_in_force():
+    """Under tests/engine/test_cpu_variants.py the variables it sets must really take effect."""
+    from numpy._core._multiarray_umath import __cpu_features__
+    for feature in os.environ.get("NPY_DISABLE_CPU_FEATURES", "").split():
+        assert not __cpu_features__.get(feature), f"numpy still dispatches {feature}"
+    name, features = isa.compiled_for()
+    if isa.chosen() == "avx2":
+        assert name == "x86-64-v3" and "+avx512" not in features and "+amx" not in features, (name, features)
+    else:
+        assert name != "x86-64-v3"
