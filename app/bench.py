@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.engine import BACKEND_NAMES
 from models import registry
 from models.errors import BadInputError
@@ -49,16 +49,16 @@ def time_decode(engine, first: int, n_gen: int, context: list[int] | None = None
     """Seconds for n_gen decode steps after a 1-token prompt, or after `context` (prefilled first,
     untimed: decode at depth), ignoring end-of-generation tokens."""
     backend = engine.backend
-    backend._reuse_prefix([-1, -1])        # no cached prefix can match: empties the cache
+    backend.rollback(0)                    # an empty sequence
     ids = list(context or []) + [first]
     for start in range(0, len(ids) - 1, 512):
-        backend._forward(ids[start:min(start + 512, len(ids) - 1)])
-    logits = backend._forward(ids[-1:])
+        backend.extend(ids[start:min(start + 512, len(ids) - 1)])
+    logits = backend.extend(ids[-1:])
     t0 = time.perf_counter()
     token = first
     for _ in range(n_gen):
         token = int(np.argmax(logits))
-        logits = backend._forward([token])
+        logits = backend.extend([token])
     return time.perf_counter() - t0
 
 
@@ -94,7 +94,7 @@ HISTORY_SENTENCE = "The archive holds letters, maps and ledgers from the harbour
 def bench_multiturn(engine, reps: int, new_tokens: int = 20, history_tokens: int = 1500) -> dict:
     """TTFT of a new message after a long conversation, with the history reused from the KV cache,
     against prefilling the new message alone and against recomputing everything."""
-    from core.backend import SamplingParams
+    from core.types import SamplingParams
     tok = engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=1)
     unit = tok.encode(HISTORY_SENTENCE)
@@ -119,7 +119,7 @@ def bench_multiturn(engine, reps: int, new_tokens: int = 20, history_tokens: int
 def bench_speculative(engine, reps: int, n_gen: int, draft_n: int | None = None, draft_model: str | None = None) -> dict:
     """Decode tokens/s on an input-grounded prompt (greedy): plain, prompt lookup and, with
     draft_model, a draft model. Every speculative run must give the plain run's tokens."""
-    from core.backend import SamplingParams, SpeculativeConfig
+    from core.types import SamplingParams, SpeculativeConfig
     ids = engine.prompt_ids(SPECULATIVE_PROMPT)
     params = SamplingParams(temperature=0, max_tokens=n_gen)
     configs = {"plain": None, "lookup": SpeculativeConfig("lookup", draft_n).validate()}
@@ -265,7 +265,7 @@ def cmd_bench_modes(args, engines) -> int:
             if args.json:
                 print(json.dumps({"backend": name, "test": "multiturn", **{k: round(v, 2) for k, v in r.items()}}))
         if args.speculative:
-            if not engine.backend.supports_speculative:
+            if not engine.backend.capabilities.speculative:
                 print(f"{name:<10} speculative: not supported by this backend")
                 continue
             r = bench_speculative(engine, args.repetitions, args.n_gen, args.draft_n, args.draft_model)

@@ -201,7 +201,7 @@ def load_engine(args, model: str | None = None):
 
 
 def sampling_from_args(args):
-    from core.backend import SamplingParams
+    from core.types import SamplingParams
     bias = []
     for item in args.logit_bias:
         token, _, value = item.partition("=")
@@ -217,7 +217,7 @@ def sampling_from_args(args):
 
 
 def cmd_run(args) -> int:
-    from core.backend import SpeculativeConfig
+    from core.types import SpeculativeConfig
     params = sampling_from_args(args)
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
     prompt = read_text_arg(args.prompt, "prompt")

@@ -10,7 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from core.backend import Backend, SamplingParams, SpeculativeConfig, TokenEvent
+from core.backend import Backend
+from core.types import SamplingParams, SpeculativeConfig, TokenEvent
 from core.chat_template import ChatTemplate
 from core.tokenizer import Tokenizer
 from models import registry
@@ -148,7 +149,7 @@ class Engine:
                  cancel: threading.Event | None = None,
                  speculative: SpeculativeConfig | None = None) -> Iterator[TokenEvent]:
         draft = None
-        if speculative is not None and speculative.method == "draft" and self.backend.supports_speculative:
+        if speculative is not None and speculative.method == "draft" and self.backend.capabilities.speculative:
             draft = self.draft_backend(speculative.draft_model)
         return self.backend.generate(prompt_ids, params, cancel, speculative, draft)
 

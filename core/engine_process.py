@@ -7,12 +7,12 @@ the engine alone (qwen 0.5B, one decode thread). In its own process the engine n
 UI.
 
 `EngineProcess` has the part of Engine's surface the TUI uses: model_name, backend_name, n_ctx,
-has_chat_template, device, prompt_ids, generate, close, and a `backend` view with stats, timings,
-finish_reason, supports_speculative, kv_block_map() and (native only) decode_threads.
+has_chat_template, device, prompt_ids, generate, close, and a `backend` view with the backend's
+capabilities, stats, timings, finish_reason, kv_block_map() and set_decode_threads().
 
 Protocol (pickled messages over a socket pair; the Engine's arguments first, then one request at a
 time under a lock):
-  parent -> child   ("prompt_ids", messages, chat) | ("decode_threads", n) | ("generate", ids, params, spec)
+  parent -> child   ("prompt_ids", messages, chat) | ("set_decode_threads", n) | ("generate", ids, params, spec)
                     | ("cancel",) (during a generation) | ("close",)
   child -> parent   ("progress", stage, done, total)   while loading (and loading a draft model)
                     ("ready", info) | ("failed", bad_input, message)        once, after loading
@@ -39,7 +39,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from core.backend import LiveStats, SamplingParams, SpeculativeConfig, Timings, TokenEvent
+from core.backend import Capabilities, Described
+from core.types import LiveStats, SamplingParams, SpeculativeConfig, Timings, TokenEvent
 from models.errors import BadInputError
 
 STATS_EVERY_S = 0.1     # the child sends live counters this often while it generates
@@ -108,8 +109,7 @@ def main() -> None:
     backend = engine.backend
     send(("ready", {"model_name": engine.model_name, "backend_name": engine.backend_name, "n_ctx": engine.n_ctx,
                     "has_chat_template": engine.has_chat_template, "device": engine.device,
-                    "supports_speculative": backend.supports_speculative,
-                    "has_decode_threads": hasattr(backend, "decode_threads"),
+                    "capabilities": backend.capabilities,
                     "snapshot": _snapshot(backend)}))
     try:
         while (request := requests.get()) is not None:
@@ -119,8 +119,8 @@ def main() -> None:
             try:
                 if kind == "prompt_ids":
                     send(("ok", engine.prompt_ids(request[1], chat=request[2])))
-                elif kind == "decode_threads":
-                    backend.decode_threads = request[1]
+                elif kind == "set_decode_threads":
+                    backend.set_decode_threads(request[1])
                     send(("ok", None))
                 elif kind == "generate":
                     cancel.clear()
@@ -162,17 +162,15 @@ def _generate(engine, backend, ids, params, spec, cancel, send) -> None:
 
 
 # --- the parent -----------------------------------------------------------------------------
-class BackendView:
-    """The backend as the TUI sees it: the child's last snapshot, refreshed as it generates."""
+class BackendView(Described):
+    """The backend as the TUI sees it: its capabilities, and the child's last snapshot, refreshed
+    as it generates."""
 
     def __init__(self, owner: "EngineProcess", info: dict):
         self._owner = owner
-        self.name = info["backend_name"]
-        self.device = info["device"]
-        self.supports_speculative = info["supports_speculative"]
-        self._has_decode_threads = info["has_decode_threads"]
-        self._decode_threads: int | None = None
+        self.capabilities: Capabilities = info["capabilities"]
         self.snapshot: Snapshot = info["snapshot"]
+        self._decode_threads: int | None = None
 
     @property
     def stats(self) -> LiveStats:
@@ -189,20 +187,12 @@ class BackendView:
     def kv_block_map(self) -> list[str]:
         return self.snapshot.kv_block_map
 
-    def __getattr__(self, name: str):
-        if name == "decode_threads" and self._has_decode_threads:
-            return self._decode_threads
-        raise AttributeError(name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "decode_threads":
-            if not self._has_decode_threads:
-                raise AttributeError(f"the {self.name} backend has no decode_threads")
-            if value != self._decode_threads:
-                self._owner._request(("decode_threads", int(value)))
-                object.__setattr__(self, "_decode_threads", value)
-            return
-        object.__setattr__(self, name, value)
+    def set_decode_threads(self, n: int | None) -> None:
+        if not self.capabilities.decode_threads:
+            raise NotImplementedError(f"the {self.name} backend has no separate decode threads")
+        if n != self._decode_threads:
+            self._owner._request(("set_decode_threads", n))
+            self._decode_threads = n
 
 
 class EngineProcess:

@@ -11,14 +11,14 @@ from typing import Sequence
 
 import numpy as np
 
-from core.backend import Backend
+from core.backend import Backend, Capabilities
 from core.tokenizer import Tokenizer
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
 
 
 class LlamaCppBackend(Backend):
-    name = "llama.cpp"
+    capabilities = Capabilities("llama.cpp")
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
                  logits_all: bool = False):
@@ -34,7 +34,7 @@ class LlamaCppBackend(Backend):
         if self.llm.n_vocab() != tokenizer.n_vocab:
             raise BadInputError(f"llama.cpp sees {self.llm.n_vocab()} tokens, the GGUF vocabulary has {tokenizer.n_vocab}")
 
-    def _reuse_prefix(self, ids: Sequence[int]) -> int:
+    def reuse_prefix(self, ids: Sequence[int]) -> int:
         llm = self.llm
         cached = llm.input_ids[:llm.n_tokens]
         limit = min(len(cached), len(ids) - 1)
@@ -45,19 +45,20 @@ class LlamaCppBackend(Backend):
         llm._ctx.kv_cache_seq_rm(-1, n, -1)
         return n
 
-    def _rollback(self, n_tokens: int) -> None:
+    def rollback(self, n_tokens: int) -> None:
         self.llm.n_tokens = n_tokens
         self.llm._ctx.kv_cache_seq_rm(-1, n_tokens, -1)
 
-    def _forward(self, ids: Sequence[int]) -> np.ndarray:
+    def extend(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
         self.llm.eval(list(ids))
         ptr = self.llm._ctx.get_logits_ith(-1)
-        return np.ctypeslib.as_array(ptr, shape=(self.tokenizer.n_vocab,)).copy()  # (n_vocab,)
+        n = self.tokenizer.n_vocab if vocab_limit is None else min(vocab_limit, self.tokenizer.n_vocab)
+        return np.ctypeslib.as_array(ptr, shape=(self.tokenizer.n_vocab,))[:n].copy()  # (n,)
 
     def logits_all(self, ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of `ids` from an empty cache (needs logits_all=True): (T, n_vocab)."""
         self.llm.reset()
-        self.llm._ctx.kv_cache_clear() if hasattr(self.llm._ctx, "kv_cache_clear") else None
+        self.llm._ctx.kv_cache_clear()
         self.llm.eval(list(ids))
         return self.llm.scores[:len(ids)].copy()
 

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from core.backend import Backend
+from core.backend import Backend, Capabilities
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from core.paths import weights_cache_dir
 from core.tokenizer import Tokenizer
@@ -52,7 +52,7 @@ def _stderr_progress(what: str, done: int, total: int) -> None:
 
 
 class NativeBackend(Backend):
-    name = "native"
+    capabilities = Capabilities("native", kv_map=True, speculative=True, batch=True, decode_threads=True)
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
@@ -67,7 +67,7 @@ class NativeBackend(Backend):
         # Threads for the decode phase (None: all). The TUI leaves one core to the interface: on a
         # 2-core machine its rendering otherwise stalls numba's parallel regions (measured: decode
         # in the chat 20-28 t/s on 2 threads, 30-37 on 1; prefill keeps every thread).
-        self.decode_threads: int | None = None
+        self._decode_threads: int | None = None
         self.progress = progress or _stderr_progress
         self.model = load_model(gguf, self.progress, weights_cache_dir(gguf.path))
         cfg = self.model.cfg
@@ -87,8 +87,8 @@ class NativeBackend(Backend):
 
         t0 = time.perf_counter()
         self.progress("preparing kernels", 0, 2)
-        self._forward([self.tokenizer.bos_id or 0] * 5)
-        self._forward([self.tokenizer.bos_id or 0])
+        self.extend([self.tokenizer.bos_id or 0] * 5)
+        self.extend([self.tokenizer.bos_id or 0])
         self.seq.release()
         self.progress("preparing kernels", 1, 2)
         if time.perf_counter() - t0 > COMPILED_S:
@@ -96,25 +96,28 @@ class NativeBackend(Backend):
             # long context take would compile inside the user's first such prompt; do them now.
             # From a warm cache they load when first used, in milliseconds.
             with all_parallel():
-                self._forward([self.tokenizer.bos_id or 0] * 5)
-                self._forward([self.tokenizer.bos_id or 0])
+                self.extend([self.tokenizer.bos_id or 0] * 5)
+                self.extend([self.tokenizer.bos_id or 0])
             self.seq.release()
         self.progress("preparing kernels", 2, 2)
         self.warmup_s = time.perf_counter() - t0
 
-    def _enter_phase(self, phase: str) -> None:
+    def set_phase(self, phase: str) -> None:
         import numba
-        n = self.decode_threads if phase == "decode" and self.decode_threads else self._threads
+        n = self._decode_threads if phase == "decode" and self._decode_threads else self._threads
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))  # per calling thread
 
     def _set_torch_threads(self) -> None:
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(self._threads)
 
-    def _reuse_prefix(self, ids: Sequence[int]) -> int:
+    def set_decode_threads(self, n: int | None) -> None:
+        self._decode_threads = n
+
+    def reuse_prefix(self, ids: Sequence[int]) -> int:
         return self.seq.reuse_prefix(ids, len(ids) - 1)
 
-    def _forward(self, ids: Sequence[int], vocab_limit: int | None = None, decode_rows: bool | None = None) -> np.ndarray:
+    def extend(self, ids: Sequence[int], vocab_limit: int | None = None, decode_rows: bool | None = None) -> np.ndarray:
         """The last token's logits after `ids`; decode_rows: every row with a single token's
         arithmetic (a draft model's few-token feed takes the fused decode path)."""
         ids = list(ids)
@@ -126,9 +129,7 @@ class NativeBackend(Backend):
         self._set_torch_threads()
         return logits
 
-    supports_speculative = True
-
-    def _forward_all(self, ids: Sequence[int]) -> np.ndarray:
+    def verify(self, ids: Sequence[int]) -> np.ndarray:
         ids = list(ids)
         start = self.seq.n_tokens
         self.seq.append_slots(len(ids))
@@ -136,8 +137,34 @@ class NativeBackend(Backend):
         self.seq.commit(ids)
         return logits
 
-    def _rollback(self, n_tokens: int) -> None:
+    def rollback(self, n_tokens: int) -> None:
         self.seq.truncate(n_tokens)
+
+    def reserve_sequences(self, parallel: int) -> None:
+        """A bigger pool when one context's worth is too small (pages are touched lazily)."""
+        cache = self.cache
+        need = parallel * -(-self.n_ctx // cache.block_size) + parallel
+        if cache.n_blocks >= need:
+            return
+        cfg = self.model.cfg
+        self.seq.release()
+        self.cache = PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cache.n_ctx, cache.block_size, n_blocks=need)
+        self.seq = self.cache.new_sequence()
+
+    def new_sequence(self):
+        return self.cache.new_sequence()
+
+    def forward_batch(self, runs) -> np.ndarray:
+        segments, tokens = [], []
+        for seq, ids in runs:
+            seq.append_slots(len(ids))
+            segments.append((seq, seq.n_tokens, len(ids)))
+            tokens.extend(ids)
+        logits = self.model.forward_batch(np.asarray(tokens, np.int64), segments)   # (len(runs), n_vocab)
+        for seq, ids in runs:
+            seq.commit(list(ids))
+        self._set_torch_threads()
+        return logits
 
     def logits_all(self, ids: Sequence[int], chunk: int = 512) -> np.ndarray:
         """Logits at every position of `ids` from an empty cache: (T, n_vocab). Tests compare it."""

@@ -81,9 +81,9 @@ class ModelDrafter:
     def __init__(self, backend, prompt_ids: Sequence[int]):
         self.backend = backend
         prompt_ids = list(prompt_ids)
-        self.fed = backend._reuse_prefix(prompt_ids)
+        self.fed = backend.reuse_prefix(prompt_ids)
         for s in range(self.fed, len(prompt_ids), 256):
-            backend._forward(prompt_ids[s:s + 256], DRAFT_VOCAB)
+            backend.extend(prompt_ids[s:s + 256], DRAFT_VOCAB)
         self.fed = len(prompt_ids)
         backend.stats.n_past = self.fed
 
@@ -93,7 +93,7 @@ class ModelDrafter:
         logits = None
         for s in range(0, len(new), 256):
             chunk = new[s:s + 256]
-            logits = b._forward(chunk, DRAFT_VOCAB, decode_rows=len(chunk) <= 8)   # the usual 1-2 tokens: fused
+            logits = b.extend(chunk, DRAFT_VOCAB, decode_rows=len(chunk) <= 8)   # the usual 1-2 tokens: fused
         self.fed += len(new)
         out: list[int] = []
         p_all = 1.0                        # the draft's own probability that its whole draft is right
@@ -104,7 +104,7 @@ class ModelDrafter:
                 break                      # a likely miss: verifying it costs more than it saves
             out.append(best)
             if i < n - 1:
-                logits = b._forward([best], DRAFT_VOCAB)
+                logits = b.extend([best], DRAFT_VOCAB)
                 self.fed += 1
         return out
 
@@ -120,13 +120,13 @@ class ModelDrafter:
     def keep(self, n_tokens: int) -> None:
         """The target kept n_tokens of history; drop the draft's rejected tokens beyond them."""
         if self.fed > n_tokens:
-            self.backend._rollback(n_tokens)
+            self.backend.rollback(n_tokens)
             self.fed = n_tokens
 
 
 def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids: Sequence[int],
                        config, drafter=None) -> Iterator[int]:
-    """Yields tokens like Backend._plain_tokens, several per forward pass when drafts are accepted.
+    """Yields tokens like core.generate's plain decoding, several per forward pass when drafts are accepted.
     `drafter` proposes (LookupDrafter when None)."""
     drafter = drafter or LookupDrafter()
     history = list(prompt_ids)
@@ -138,7 +138,7 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
         room = backend.n_ctx - stats.n_past - 2                 # keep one slot for the bonus token
         draft = drafter.propose(history, min(config.max_draft, room)) if room > 0 else []
         base = stats.n_past
-        rows = backend._forward_all([token] + draft)            # (1 + len(draft), n_vocab)
+        rows = backend.verify([token] + draft)            # (1 + len(draft), n_vocab)
         accepted = 0
         for i, proposed in enumerate(draft):
             ok, chosen = sampler.verify(rows[i], proposed)
@@ -155,6 +155,6 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
         drafter.result(len(draft), accepted)
         keep = base + 1 + accepted
         if keep < base + 1 + len(draft):
-            backend._rollback(keep)
+            backend.rollback(keep)
         stats.n_past = keep
         drafter.keep(len(history))

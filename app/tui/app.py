@@ -34,7 +34,7 @@ from app.tui.widgets.chat_input import ChatInput
 from app.tui.widgets.messages import AssistantMessage, EarlierMessages, MessageBox, UserMessage, code_blocks
 from app.tui.widgets.sidebar import Sidebar
 from app.tui.widgets.stats import StatusBar, XRayPanel, status_line
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.history import History
 from models.errors import BadInputError
 
@@ -124,7 +124,7 @@ class KvChatApp(App):
         self.backend_pref = backend
         self.n_ctx = n_ctx or DEFAULT_CTX
         self.threads = threads
-        self.speculative = speculative             # core.backend.SpeculativeConfig or None
+        self.speculative = speculative             # core.types.SpeculativeConfig or None
         self.engine = engine
         self.owns_engine = False                   # an engine handed in belongs to the caller
         self.history = History(db_path)
@@ -325,9 +325,9 @@ class KvChatApp(App):
         last_post = last_checkpoint = time.monotonic()
         try:
             self.post_message(ResponseStarted(reply_id))
-            if self.threads is None and hasattr(engine.backend, "decode_threads"):
-                engine.backend.decode_threads = max(1, (os.cpu_count() or 1) - 1)   # a core for the UI
-            spec = self.speculative if engine.backend.supports_speculative else None
+            if self.threads is None and engine.backend.capabilities.decode_threads:
+                engine.backend.set_decode_threads(max(1, (os.cpu_count() or 1) - 1))   # a core for the UI
+            spec = self.speculative if engine.backend.capabilities.speculative else None
             for event in engine.generate(ids, params, cancel, spec):
                 if worker.is_cancelled:
                     cancel.set()
@@ -589,7 +589,7 @@ class KvChatApp(App):
         spec = self.speculative
         if spec is None or spec.method == "off":
             return "speculative: off"
-        if not backend.supports_speculative:
+        if not backend.capabilities.speculative:
             return f"speculative {spec.method}\nneeds the native backend"
         stats = backend.stats
         if not stats.spec_drafted:
@@ -645,7 +645,7 @@ class KvChatApp(App):
 
 def run_tui(args) -> int:
     """`kvchat chat`: the App opens at once; the model loads in the background with a progress bar."""
-    from core.backend import SpeculativeConfig
+    from core.types import SpeculativeConfig
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
     app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,
                     speculative=speculative)

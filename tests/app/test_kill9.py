@@ -15,7 +15,7 @@ from core.history import History
 CHILD = r"""
 import asyncio, sys
 from app.tui.app import KvChatApp
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.engine import Engine
 
 async def main(db):

@@ -7,7 +7,7 @@ import pytest
 from app.tui.app import KvChatApp, TokenArrived
 from app.tui.screens.settings import SettingsScreen
 from app.tui.widgets.messages import AssistantMessage, UserMessage
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.history import History
 from tests.app.conftest import FIXED_REPLY, wait_until
 
@@ -234,7 +234,7 @@ async def test_copy_keys_rename_and_delete(engine, fixed_db):
 async def test_xray_shows_speculative_acceptance(tmp_path):
     """`kvchat chat --speculative lookup` on the native engine: the reply is the plain greedy text
     and the X-ray reports how many drafts were accepted."""
-    from core.backend import SpeculativeConfig
+    from core.types import SpeculativeConfig
     from core.engine import Engine
     from tests.app.conftest import MODEL, N_CTX
 

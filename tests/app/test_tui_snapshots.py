@@ -1,7 +1,7 @@
 """Snapshots of the main screen, the settings screen and the X-ray panel, taken before any
 generation on a database with fixed contents, so that no live number or time is in them."""
 from app.tui.app import KvChatApp
-from core.backend import SamplingParams
+from core.types import SamplingParams
 
 
 def make_app(engine, db) -> KvChatApp:

@@ -2,7 +2,7 @@
 backends, whether the string is one token or spans several."""
 import pytest
 
-from core.backend import SamplingParams, SpeculativeConfig
+from core.types import SamplingParams, SpeculativeConfig
 from core.engine import Engine
 from models.errors import BadInputError
 

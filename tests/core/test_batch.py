@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.batch import BatchRequest, BatchScheduler
 from models.errors import BadInputError
 

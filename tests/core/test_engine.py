@@ -4,7 +4,8 @@ import threading
 import numpy as np
 import pytest
 
-from core.backend import SamplingParams, split_at_stop
+from core.request import split_at_stop
+from core.types import SamplingParams
 from core.engine import Engine
 from models.errors import BadInputError
 
@@ -102,9 +103,9 @@ def test_seeded_sampling_is_reproducible(engine):
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, seed=1234, max_tokens=12)
     runs = []
     for _ in range(2):
-        engine.backend._reuse_prefix([-1, -1])       # cold cache both times: identical logits
+        engine.backend.reuse_prefix([-1, -1])       # cold cache both times: identical logits
         runs.append(collect(engine.generate(ids, params))[0])
     assert runs[0] == runs[1]
     other = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, seed=99, max_tokens=12)
-    engine.backend._reuse_prefix([-1, -1])
+    engine.backend.reuse_prefix([-1, -1])
     assert collect(engine.generate(ids, other))[0] != runs[0]     # and the seed matters

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.engine import Engine
 from core.engine_process import EngineProcess
 from models.errors import BadInputError
@@ -39,7 +39,8 @@ def local(gemma_path):
 def test_runs_in_another_process(remote):
     assert remote.pid != os.getpid() and remote._process.poll() is None
     assert (remote.model_name, remote.backend_name, remote.n_ctx, remote.device) == (MODEL, "native", N_CTX, "cpu")
-    assert remote.backend.supports_speculative and hasattr(remote.backend, "decode_threads")
+    caps = remote.backend.capabilities
+    assert caps.speculative and caps.decode_threads and caps.batch and caps.engine == "native"
 
 
 def test_same_tokens_timings_and_reuse_as_in_process(remote, local):
@@ -137,9 +138,9 @@ def test_relative_model_path_and_the_llamacpp_backend(gemma_path, monkeypatch, l
     monkeypatch.chdir(gemma_path.parent)
     eng = EngineProcess(gemma_path.name, backend="llama.cpp", n_ctx=N_CTX, threads=2)
     try:
-        assert eng.backend_name == "llama.cpp" and not hasattr(eng.backend, "decode_threads")
-        with pytest.raises(AttributeError):
-            eng.backend.decode_threads = 1
+        assert eng.backend_name == "llama.cpp" and not eng.backend.capabilities.decode_threads
+        with pytest.raises(NotImplementedError):
+            eng.backend.set_decode_threads(1)
         ids = eng.prompt_ids("The capital of France is", chat=False)
         got = [e.id for e in eng.generate(ids, GREEDY)]
         assert len(got) == eng.backend.timings.predicted_n > 0

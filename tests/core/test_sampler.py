@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.sampler import Sampler
 from models.errors import BadInputError
 

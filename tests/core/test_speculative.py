@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from core.backend import SamplingParams, SpeculativeConfig
+from core.types import SamplingParams, SpeculativeConfig
 from core.engine import Engine
 from core.sampler import Sampler
 from core import speculative
@@ -47,16 +47,16 @@ class ScriptedDraftModel:
         self.top_p, self.n_vocab, self.n = top_p, n_vocab, 0
         self.stats = type("Stats", (), {"n_past": 0})()
 
-    def _reuse_prefix(self, ids):
+    def reuse_prefix(self, ids):
         return 0
 
-    def _forward(self, ids, vocab_limit=None, decode_rows=None):
+    def extend(self, ids, vocab_limit=None, decode_rows=None):
         self.n += len(ids)
         p = np.full(self.n_vocab, (1 - self.top_p[self.n]) / (self.n_vocab - 1))
         p[self.n + 1] = self.top_p[self.n]
         return np.log(p).astype(np.float32)
 
-    def _rollback(self, n_tokens):
+    def rollback(self, n_tokens):
         self.n = n_tokens
 
 
@@ -201,14 +201,14 @@ def test_decode_threads_apply_to_the_decode_phase_only(native):
     backend.reset()
     both = [e.id for e in native.generate(ids, greedy)]
     try:
-        backend.decode_threads = 1
-        backend._enter_phase("decode")
+        backend.set_decode_threads(1)
+        backend.set_phase("decode")
         assert numba.get_num_threads() == 1
-        backend._enter_phase("prefill")
+        backend.set_phase("prefill")
         assert numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
         backend.reset()
         assert [e.id for e in native.generate(ids, greedy)] == both
         assert numba.get_num_threads() == 1                 # generation ended in the decode phase
     finally:
-        backend.decode_threads = None
-        backend._enter_phase("prefill")
+        backend.set_decode_threads(None)
+        backend.set_phase("prefill")

@@ -80,9 +80,9 @@ def _decode_step(model: str):
         mp.undo()
     native = Engine(model, backend="native", n_ctx=256, threads=2)
     ids = llama.prompt_ids("def add(a, b):\n    return", chat=False)
-    llama.backend._forward(ids)
+    llama.backend.extend(ids)
     capture[0] = True
-    llama.backend._forward([ids[-1]])                   # one decode step at position len(ids)
+    llama.backend.extend([ids[-1]])                   # one decode step at position len(ids)
     capture[0] = False
     yield tensors, native, len(ids)
     llama.close()

@@ -13,7 +13,7 @@ and warm and cold pick the same next token wherever the choice is not a near tie
 import numpy as np
 import pytest
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -45,13 +45,13 @@ def test_five_turn_conversation_reuses_the_history(native):
             assert cache_n >= common - 16 and cache_n > 0.5 * len(ids), (turn, cache_n, common, len(ids))
             assert backend.kv_block_map().count("shared") == cache_n // 16
         # the next-token logits as the warm path computes them (reused prefix + the new tail)
-        backend._reuse_prefix(ids[:cache_n] + [-1])
-        warm_runs.append((turn, ids, backend._forward(ids[cache_n:])))
+        backend.reuse_prefix(ids[:cache_n] + [-1])
+        warm_runs.append((turn, ids, backend.extend(ids[cache_n:])))
         previous = ids + reply
         messages.append({"role": "assistant", "content": native.tokenizer.decode(reply)})
     for turn, ids, warm in warm_runs:
         backend.reset()                                     # empty cache, no prefix registrations
-        cold = backend._forward(ids)
+        cold = backend.extend(ids)
         top2 = np.sort(cold)[-2:]
         assert np.abs(warm - cold).max() <= 0.05 * np.abs(cold).max(), f"turn {turn}"
         if top2[1] - top2[0] > NEAR_TIE:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from core.engine import Engine
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import NativeBackend
@@ -77,8 +77,8 @@ def test_native_tracks_llama_cpp(engines):
         # teacher forcing, decode arithmetic: the prompt as one batch, then every generated token
         # in one pass with decode rows
         native.reset()
-        first = native._forward(ids)
-        rows = native._forward_all(ref[:-1])                              # (len(ref) - 1, n_vocab)
+        first = native.extend(ids)
+        rows = native.verify(ref[:-1])                              # (len(ref) - 1, n_vocab)
         pred = np.concatenate([[first.argmax()], rows.argmax(-1)])
         tf_rows += int((pred == np.asarray(ref)).sum())
         # teacher forcing, batched arithmetic: bit for bit llama.cpp's logits_all

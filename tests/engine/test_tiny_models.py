@@ -91,7 +91,7 @@ def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir, softmax="lla
     native.model.set_attention_softmax(softmax)
     prefill = native.logits_all(IDS)
     native.seq.release()
-    decode = np.stack([native._forward([t]) for t in IDS])
+    decode = np.stack([native.extend([t]) for t in IDS])
     native.close()
 
     twin = open_model(_f32_twin(twin_dir / f"{arch}-{qtype}-twin.gguf", arch, qtype))
@@ -123,16 +123,16 @@ def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, qtype, tiny_model):
     batched = native.logits_all(IDS)
     native.seq.release()
     assert native.model._decode_one_ok()      # one-token steps take the fused decode path
-    stepwise = np.stack([native._forward([t]) for t in IDS])
+    stepwise = np.stack([native.extend([t]) for t in IDS])
     native.seq.release()
-    native._forward(IDS[:3])                  # a speculative check: 5 decode rows, fused, in one call
-    check = native._forward_all(IDS[3:8])
+    native.extend(IDS[:3])                  # a speculative check: 5 decode rows, fused, in one call
+    check = native.verify(IDS[3:8])
     native.seq.release()
     native.model.fast_decode = False          # ... which equals the general path bit for bit
-    general = np.stack([native._forward([t]) for t in IDS])
+    general = np.stack([native.extend([t]) for t in IDS])
     native.seq.release()
-    native._forward(IDS[:3])
-    check_general = native._forward_all(IDS[3:8])
+    native.extend(IDS[:3])
+    check_general = native.verify(IDS[3:8])
     native.close()
     np.testing.assert_array_equal(stepwise, general)
     np.testing.assert_array_equal(check, check_general)
@@ -142,7 +142,7 @@ def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, qtype, tiny_model):
         ref_batched = ll.logits_all(IDS)
         ll.llm.reset()
         ll.llm._ctx.kv_cache_clear()
-        ref_stepwise = np.stack([ll._forward([t]) for t in IDS])
+        ref_stepwise = np.stack([ll.extend([t]) for t in IDS])
     finally:
         ll.close()
     np.testing.assert_array_equal(batched, ref_batched)
@@ -161,10 +161,10 @@ def test_prefill_in_chunks_then_decode_equals_one_pass(tiny_model):
     native = NativeBackend(g, tok, 256, 2, block_size=4)
     full = native.logits_all(IDS)
     native.seq.release()
-    last = native._forward(IDS[:17])
+    last = native.extend(IDS[:17])
     np.testing.assert_allclose(last, full[16], atol=2e-2 * np.abs(full).max())
-    assert native._reuse_prefix(IDS[:12] + [5, 6]) == 12          # keeps 12, drops 5
-    out = np.stack([native._forward([t]) for t in IDS[12:30]])
+    assert native.reuse_prefix(IDS[:12] + [5, 6]) == 12          # keeps 12, drops 5
+    out = np.stack([native.extend([t]) for t in IDS[12:30]])
     np.testing.assert_allclose(out, full[12:30], atol=2e-2 * np.abs(full).max())
     assert "used" in native.kv_block_map() or "shared" in native.kv_block_map()
     native.close()

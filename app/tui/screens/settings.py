@@ -9,7 +9,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
-from core.backend import SamplingParams
+from core.types import SamplingParams
 from models.errors import BadInputError
 
 FIELDS = [  # (field, label, type)

@@ -5,7 +5,7 @@ from rich.text import Text
 from textual.containers import Vertical
 from textual.widgets import Label, Sparkline, Static
 
-from core.backend import LiveStats, Timings
+from core.types import LiveStats, Timings
 
 
 

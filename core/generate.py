@@ -1,0 +1,188 @@
+"""The generation loop: prompt ids and sampling parameters in, a stream of TokenEvents out.
+
+It runs on any Backend through its public protocol, so sampling, stop strings, streaming
+detokenization, cancellation and timings (one core.request.Request) behave the same whichever
+engine runs. Tokens come from one of three sources: plain decoding (one forward pass per token),
+guarded decoding (banned strings: back off and resample), or speculative decoding (core.speculative).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+
+from core.request import Request, check_prompt
+from core.sampler import Sampler
+from core.types import SamplingParams, SpeculativeConfig, TokenEvent
+from models.errors import BadInputError
+
+if TYPE_CHECKING:
+    from core.backend import Backend
+
+PREFILL_CHUNK = 256  # prompt tokens per forward call: the granularity at which prefill can be cancelled
+MAX_BACKOFFS = 1000
+
+
+def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingParams,
+             cancel: threading.Event | None = None,
+             speculative: SpeculativeConfig | None = None, draft_backend: "Backend | None" = None
+             ) -> Iterator[TokenEvent]:
+    """Yield TokenEvents until the request ends (core.request). Afterwards `backend.timings` and
+    `backend.finish_reason` describe the run. With `speculative`, tokens are drafted and verified
+    several per forward pass; greedy output is unchanged, and sampled output keeps its
+    distribution (standard accept/reject rule)."""
+    params.validate()
+    speculating = speculative is not None and speculative.method != "off"
+    if speculating and not backend.capabilities.speculative:
+        raise BadInputError(f"speculative decoding needs the native backend (not {backend.name})")
+    if speculating and params.banned:
+        raise BadInputError("banned strings and speculative decoding cannot be combined")
+    prompt_ids = list(prompt_ids)
+    check_prompt(prompt_ids, backend.n_ctx)
+    cancel = cancel or threading.Event()
+    req = Request(params, backend.tokenizer, backend.n_ctx)
+    backend.timings, backend.finish_reason = req.timings, None
+    stats = backend.stats
+    stats.token_latencies_ms = []
+    stats.spec_drafted = stats.spec_accepted = 0
+
+    cache_n = backend.reuse_prefix(prompt_ids)
+    todo = prompt_ids[cache_n:]
+    stats.phase, stats.cache_n, stats.prefill_done, stats.prefill_total = "prefill", cache_n, 0, len(todo)
+    backend.set_phase("prefill")
+    stats.n_past = cache_n
+    logits = None
+    for start in range(0, len(todo), PREFILL_CHUNK):
+        if cancel.is_set():
+            req.timings.cache_n = cache_n
+            req.cancel(during_prefill_done=start)
+            return _finish(backend, req)
+        logits = backend.extend(todo[start:start + PREFILL_CHUNK])
+        stats.prefill_done = min(start + PREFILL_CHUNK, len(todo))
+        stats.n_past = cache_n + stats.prefill_done
+    drafter = None
+    if speculative is not None and speculative.method == "draft":
+        # the draft model reads the prompt now, as part of prompt processing (llama.cpp's
+        # speculative example does the same), not inside the first draft
+        from core.speculative import ModelDrafter
+        if draft_backend is None:
+            raise BadInputError("--speculative draft needs a loaded draft model")
+        drafter = ModelDrafter(draft_backend, prompt_ids)
+    req.prompt_read(len(todo), cache_n)
+
+    sampler = Sampler(params, backend.tokenizer.n_vocab)
+    sampler.remember(prompt_ids)
+    stats.phase = "decode"
+    backend.set_phase("decode")
+    t_last = req.t_prompt_end
+    if speculating:
+        from core.speculative import speculative_tokens
+        source = speculative_tokens(backend, logits, sampler, prompt_ids, speculative, drafter)
+    elif params.banned:
+        source = _guarded_tokens(backend, logits, sampler, params.banned)
+    else:
+        source = _plain_tokens(backend, logits, sampler)
+    try:
+        for token in source:
+            now = time.perf_counter()
+            stats.token_latencies_ms.append((now - t_last) * 1000)
+            t_last = now
+            text = req.take(token, stats.n_past, now)
+            if token in req.eog_ids:
+                if text:
+                    yield TokenEvent(-1, text, now)
+            else:
+                yield TokenEvent(token, text, now)
+            if req.done:
+                break
+            if cancel.is_set():
+                if tail := req.cancel():
+                    yield TokenEvent(-1, tail, time.perf_counter())
+                break
+    finally:
+        source.close()
+    _finish(backend, req)
+
+
+def _finish(backend: "Backend", req: Request) -> None:
+    backend.finish_reason = req.finish_reason
+    backend.stats.phase = "done"
+
+
+def _plain_tokens(backend: "Backend", logits: np.ndarray, sampler: Sampler) -> Iterator[int]:
+    """One forward pass per token: sample, hand the token out, then extend the cache with it."""
+    while True:
+        token = sampler.sample(logits)
+        yield token
+        logits = backend.extend([token])
+        backend.stats.n_past += 1
+
+
+@dataclass
+class HeldToken:
+    """A token decoded but not yet handed out (banned strings): what backing off to it restores."""
+    token: int
+    text: str
+    pos: int                    # its position in the sequence (the cache held pos tokens before it)
+    logits: np.ndarray          # the logits it was sampled from
+    recent: list                # the sampler's penalty window before it
+    utf8_state: tuple           # the stream decoder's state before it
+
+
+def _guarded_tokens(backend: "Backend", logits: np.ndarray, sampler: Sampler,
+                    banned: Sequence[str]) -> Iterator[int]:
+    """Plain decoding in which no banned string ever appears. Tokens whose text could still grow
+    into a banned string are held back (computed, not handed out). When one completes, decoding
+    backs off: the KV cache is rolled back to the held token where the match starts, that token is
+    banned at that position, and sampling resumes there with the logits it had."""
+    stats = backend.stats
+    decoder = backend.tokenizer.stream_decoder()
+    held: list[HeldToken] = []
+    bans: dict[int, set[int]] = {}          # position -> token ids banned there
+    backoffs = 0
+    while True:
+        pos = stats.n_past
+        masked = logits
+        if pos in bans:
+            masked = logits.copy()
+            masked[list(bans[pos])] = -np.inf
+        recent = list(sampler.recent)
+        utf8_state = decoder.getstate()
+        token = sampler.sample(masked)
+        held.append(HeldToken(token, decoder.feed(token), pos, logits, recent, utf8_state))
+        text = "".join(h.text for h in held)
+        hit = min((i for i in (text.find(b) for b in banned) if i >= 0), default=-1)
+        if hit >= 0:                        # back off to the held token where the match starts
+            backoffs += 1
+            if backoffs > MAX_BACKOFFS:
+                raise BadInputError(f"gave up after {MAX_BACKOFFS} back-offs avoiding the banned strings")
+            k, end = 0, len(held[0].text)
+            while end <= hit:
+                k += 1
+                end += len(held[k].text)
+            first = held[k]
+            bans.setdefault(first.pos, set()).add(first.token)
+            if stats.n_past > first.pos:
+                backend.rollback(first.pos)
+            stats.n_past = first.pos
+            sampler.recent.clear()
+            sampler.recent.extend(first.recent)
+            decoder.setstate(first.utf8_state)
+            logits = first.logits
+            del held[k:]
+            continue
+        if token in backend.tokenizer.eog_ids:
+            yield from (h.token for h in held)
+            return
+        # hand out the held tokens whose text can no longer start a banned string
+        keep = len(text) - max((n for b in banned for n in range(min(len(b) - 1, len(text)), 0, -1)
+                                if text.endswith(b[:n])), default=0)
+        released = 0
+        while held and released + len(held[0].text) <= keep:
+            released += len(held[0].text)
+            yield held.pop(0).token
+        logits = backend.extend([token])
+        stats.n_past += 1

@@ -1,0 +1,126 @@
+"""The records that pass between the layers: what a user asks of a generation (SamplingParams,
+SpeculativeConfig), what comes back (TokenEvent, Timings), and the live counters the X-ray reads."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from models.errors import BadInputError
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the user asks of one generation. `validate` refuses values out of range."""
+    temperature: float = 0.8        # 0 = greedy
+    top_k: int = 40                 # 0 = off
+    top_p: float = 0.95             # 1 = off
+    min_p: float = 0.05             # 0 = off
+    repeat_penalty: float = 1.0     # 1 = off
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); -inf bans it
+    banned: tuple[str, ...] = ()    # strings that must never appear in the output (back off and resample)
+
+    def validate(self) -> "SamplingParams":
+        checks = [
+            (math.isfinite(self.temperature) and 0 <= self.temperature <= 10, "temperature must be in [0, 10]"),
+            (self.top_k >= 0, "top-k must be >= 0"),
+            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
+            (math.isfinite(self.repeat_penalty) and 0 < self.repeat_penalty <= 10, "repeat penalty must be in (0, 10]"),
+            (self.repeat_last_n >= 0, "repeat-last-n must be >= 0"),
+            (abs(self.presence_penalty) <= 10, "presence penalty must be in [-10, 10]"),
+            (abs(self.frequency_penalty) <= 10, "frequency penalty must be in [-10, 10]"),
+            (self.max_tokens >= 1, "max tokens must be >= 1"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2^63)"),
+            (all(self.stop), "a stop string must not be empty"),
+            (all(self.banned), "a banned string must not be empty"),
+            (all(t >= 0 and (math.isfinite(b) or b == -math.inf) for t, b in self.logit_bias),
+             "logit bias needs a token id >= 0 and a finite bias (or -inf)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BadInputError(message)
+        return self
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: its id, the text it completes (may be "" while a UTF-8 character or a
+    possible stop string is held back), and when it was produced (time.perf_counter seconds)."""
+    id: int
+    text: str
+    t: float
+
+
+@dataclass
+class Timings:
+    """llama-server's field names, plus ttft_ms (request start to first token)."""
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    ttft_ms: float = 0.0
+    cache_n: int = 0
+
+    @property
+    def prompt_per_second(self) -> float:
+        return 1000 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+    def summary(self) -> str:
+        return (f"ttft {self.ttft_ms:.0f} ms | prompt {self.prompt_n} tok, {self.prompt_per_second:.1f} tok/s"
+                f" (cached {self.cache_n}) | eval {self.predicted_n} tok, {self.predicted_per_second:.1f} tok/s")
+
+
+SPECULATIVE_METHODS = ("off", "lookup", "draft")
+
+
+# Most tokens drafted per check by default: prompt lookup adapts its length up to this (see
+# core.speculative.LookupDrafter); a draft model stops earlier where it is unsure of its draft
+# (core.speculative.DRAFT_MIN_P), so a high cap costs little (code rewrite, 0.5B for 1.5B, stopping
+# at a token below 0.5: 1.10-1.13x at 3, 1.29-1.39x at 7).
+DEFAULT_DRAFT_N = {"off": 1, "lookup": 7, "draft": 7}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"            # off | lookup | draft
+    draft_n: int | None = None     # most tokens drafted per verification pass; None = the method's default
+    draft_model: str | None = None # registry name or path of the draft model (method "draft")
+
+    @property
+    def max_draft(self) -> int:
+        return DEFAULT_DRAFT_N.get(self.method, 1) if self.draft_n is None else self.draft_n
+
+    def validate(self) -> "SpeculativeConfig":
+        if self.method not in SPECULATIVE_METHODS:
+            raise BadInputError(f"unknown speculative method '{self.method}' ({', '.join(SPECULATIVE_METHODS)})")
+        if self.method == "draft" and not self.draft_model:
+            raise BadInputError("--speculative draft needs --draft-model (e.g. qwen2.5-coder-0.5b-instruct)")
+        if not 1 <= self.max_draft <= 7:   # 1 + 7 tokens per check stay on the one-token kernels
+            raise BadInputError("--draft-n must be between 1 and 7")
+        return self
+
+
+@dataclass
+class LiveStats:
+    """Counters the engine updates as it works; the TUI's X-ray panel reads them (never estimates)."""
+    phase: str = "idle"            # idle | prefill | decode | done
+    prefill_done: int = 0
+    prefill_total: int = 0
+    cache_n: int = 0
+    n_past: int = 0                # tokens in the KV cache for the current sequence
+    n_ctx: int = 0
+    token_latencies_ms: list[float] = field(default_factory=list)
+    spec_drafted: int = 0          # draft tokens proposed / accepted this turn (speculative decoding)
+    spec_accepted: int = 0
