@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.cpu.libm import rope_theta_scale
+from kernels.types import Q4_K, Q5_K, Q6_K
 
 
 def dequantize_ref(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
@@ -107,7 +108,7 @@ def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.nd
     return out.astype(np.float32)
 
 
-_K_QUANT_F16_FIELDS = {12: (0, 4), 13: (0, 4), 14: (208, 210)}  # Q4_K d+dmin, Q5_K d+dmin, Q6_K d
+_K_QUANT_F16_FIELDS = {Q4_K: (0, 4), Q5_K: (0, 4), Q6_K: (208, 210)}  # Q4_K d+dmin, Q5_K d+dmin, Q6_K d
 
 
 # --- llama.cpp's AVX2 arithmetic, float operation for float operation --------------------------

@@ -19,8 +19,8 @@ import numpy as np
 from kernels.cpu import fused
 from kernels.cpu.attention import _choose_splits, exact_head_dim
 from kernels.cpu.ops import _rms_norm_serial, gelu_table
-from kernels.cpu.qdot import (EXACT_TYPES, ONE_ROW, VEC_DOT_KIND, Int8Rows, Q8Row, exact_layout, exact_rows, matmul_into,
-                              q8_kind, run_arrays)
+from kernels.cpu.qdot import EXACT_TYPES, ONE_ROW, Int8Rows, Q8Row, exact_layout, matmul_into, run_arrays
+from kernels.types import Q4_K, TRAITS
 from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
                          rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
@@ -130,7 +130,7 @@ class Weights:
 
     def matrix(self, name: str, build_exact: bool = True) -> QMatrix:
         info, k, n = self._info(name)
-        if not build_exact or info.ggml_type not in REPACKED_TYPES or (info.ggml_type == 12 and n % 8):
+        if not build_exact or info.ggml_type not in REPACKED_TYPES or (info.ggml_type == Q4_K and n % 8):
             return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=build_exact)
         layout = self._cached_layout(name, lambda: exact_layout(self._data[name], info.ggml_type, n, k))
         return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
@@ -140,7 +140,7 @@ class Weights:
         infos = [self._info(name) for name in names]
         t = infos[0][0].ggml_type
         return (len(names) > 1 and t in EXACT_TYPES and all(i.ggml_type == t and kk == infos[0][1] for i, kk, _ in infos)
-                and (t == 14 or all(nn % 8 == 0 for _, _, nn in infos)))
+                and (not TRAITS[t].x8 or all(nn % 8 == 0 for _, _, nn in infos)))
 
     def fused(self, names: Sequence[str]) -> QMatrix:
         """One QMatrix (exact layout only) whose rows are the rows of `names` in order."""
@@ -161,7 +161,7 @@ class Weights:
 
 
 # The exact kernels' layouts that are repacks (worth caching on disk); Q6_K reads the GGUF rows.
-REPACKED_TYPES = frozenset({6, 8, 12}) & EXACT_TYPES
+REPACKED_TYPES = frozenset(t for t in EXACT_TYPES if TRAITS[t].x8)
 
 
 class KVView(Protocol):
@@ -254,7 +254,7 @@ def _mm(w: QMatrix, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: 
     Other types: with llama_rounding x is first rounded to what llama.cpp's matmul effectively
     uses; row-by-row spans read W once per row (gemv), GEMM spans dequantize W tile by tile."""
     if llama_rounding and w.exact is not None:
-        kind = VEC_DOT_KIND[w.ggml_type]
+        kind = TRAITS[w.ggml_type].vec_dot
         rows = shared.get(kind) if shared is not None else None
         if rows is None:
             rows = Int8Rows(np.ascontiguousarray(x, np.float32), kind)
@@ -443,7 +443,7 @@ class Block:
             return a
 
         empty = f32(0)
-        out = lambda m: rows(exact_rows(m.exact, m.ggml_type))                # noqa: E731  (x8: padded rows)
+        out = lambda m: rows(TRAITS[m.ggml_type].layout_rows(m.exact))        # noqa: E731  (x8: padded rows)
 
         def group(proj: Projections, n: int) -> list:
             parts = [m for m, _ in proj.parts]
@@ -592,14 +592,15 @@ class Decoder:
         _rms_norm_serial(x, self.output_norm, np.float32(self.cfg.norm_eps), h)
         out = self.output
         n = out.n_rows if vocab_limit is None else min(int(vocab_limit), out.n_rows)
-        layout = out.exact[:n] if out.ggml_type == 14 else out.exact[:-(-n // 8)]
+        traits = TRAITS[out.ggml_type]
+        layout = traits.layout_prefix(out.exact, n)
         if h.shape[0] == 1:
             row = Q8Row(self.cfg.n_embd)
-            fused.quantize_into(h, *row.args(q8_kind(out.ggml_type)))
-            logits = np.empty((1, exact_rows(layout, out.ggml_type)), np.float32)
+            fused.quantize_into(h, *row.args(traits.vec_dot))
+            logits = np.empty((1, traits.layout_rows(layout)), np.float32)
             matmul_into(layout, out.ggml_type, row, logits)
             return logits[:, :n]
-        rows = Int8Rows(h, VEC_DOT_KIND[out.ggml_type])
+        rows = Int8Rows(h, traits.vec_dot)
         return out.matmul_int8(rows, n, run_arrays([(0, h.shape[0], False)]))
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:

@@ -14,11 +14,7 @@ from numba import njit, prange
 
 from kernels.cpu.quant import round_f16
 
-# ggml type ids (gguf.GGMLQuantizationType)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, BF16 = \
-    0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 30
-Q8_0_TYPES = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))
-Q8_K_TYPES = frozenset((Q2_K, Q3_K, Q4_K, Q5_K, Q6_K))
+from kernels.types import BF16, F16, Q8_0_ACTIVATION_TYPES as Q8_0_TYPES, Q8_K_ACTIVATION_TYPES as Q8_K_TYPES
 
 
 def _round_q8_0(x: np.ndarray) -> np.ndarray:

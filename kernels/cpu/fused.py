@@ -11,16 +11,14 @@ from numba import njit
 from kernels.cpu.activations import _round_to_f16
 from kernels.cpu.attention import _decode_pv, _decode_scores, _decode_softmax, _write_kv_serial
 from kernels.cpu.ops import _geglu_tanh_serial, _rms_norm_serial, _rope_serial, _swiglu_serial
-from kernels.cpu.qdot import (Q5_0_KIND, Q8_0_KIND, _q0_x8_rows, _q4_k_rows, _q6_k_rows, _quantize_q8_0_serial,
-                              _quantize_q8_k_serial)
-
-Q8_0, Q8_K = 0, 1
+from kernels.cpu.qdot import _quantize_q8_0_serial, _quantize_q8_k_serial, matmul_row
+from kernels.types import ACT_KIND, ACT_Q8_0
 
 
 @njit(cache=True, error_model="numpy")
 def quantize_into(h, kind, xq, dx, sx, bs16, bsp):
-    """Quantize one row for a weight type's vec-dot type (kind Q8_0 or Q8_K)."""
-    if kind == Q8_0:
+    """Quantize one row for a weight type's vec-dot type (kind: types.ACT_Q8_0 or ACT_Q8_K)."""
+    if kind == ACT_Q8_0:
         _quantize_q8_0_serial(h, xq, dx, sx)
     else:
         _quantize_q8_k_serial(h, xq, dx, bs16, bsp)
@@ -78,19 +76,6 @@ def act_quantize(gate, up, geglu, gelu_table, a, kind, xq, dx, sx, bs16, bsp):
 
 
 @njit(cache=True, error_model="numpy")
-def matmul_row(layout, ggml_type, xq, dx0, sx, dxk, bs16, bsp, run_start, run_len, run_batched, out):
-    """qdot.matmul_into inside compiled code: one quantized row times an exact layout."""
-    if ggml_type == 14:
-        _q6_k_rows(layout, xq, dxk, bs16, run_start, run_len, run_batched, out)
-    elif ggml_type == 12:
-        _q4_k_rows(layout, xq, dxk, bsp, run_start, run_len, run_batched, out)
-    elif ggml_type == 8:
-        _q0_x8_rows(Q8_0_KIND, layout, xq, dx0, sx, out)
-    else:
-        _q0_x8_rows(Q5_0_KIND, layout, xq, dx0, sx, out)
-
-
-@njit(cache=True, error_model="numpy")
 def project(h, W0, W1, W2, types, xq, dx0, sx, dxk, bs16, bsp, rs, rl, rb, out0, out1, out2):
     """A projection group's parts (1 to 3 exact layouts; types[p] < 0: no part p) for one row h:
     h is quantized once per vec-dot type, as the general path shares it."""
@@ -99,9 +84,9 @@ def project(h, W0, W1, W2, types, xq, dx0, sx, dxk, bs16, bsp, rs, rl, rb, out0,
         t = types[p]
         if t < 0:
             break
-        kind = Q8_0 if t == 6 or t == 8 else Q8_K
+        kind = ACT_KIND[t]
         if kind != last:
-            quantize_into(h, kind, xq, dx0 if kind == Q8_0 else dxk, sx, bs16, bsp)
+            quantize_into(h, kind, xq, dx0 if kind == ACT_Q8_0 else dxk, sx, bs16, bsp)
             last = kind
         W, out = (W0, out0) if p == 0 else ((W1, out1) if p == 1 else (W2, out2))
         matmul_row(W, t, xq, dx0, sx, dxk, bs16, bsp, rs, rl, rb, out)
@@ -143,8 +128,8 @@ def decode_layer(x, pos, cs, lo, chunk, key0,                                   
         n_kv = pos + r + 1
         S = np.empty((Hq, -(-(n_kv - key0[r]) // 8) * 8), np.float32)
         attend_one(q16[r], k_cache, v_cache, block_table, lo[r], n_kv, chunk[r], key0[r], kq_scale, S, att[r])
-    kind = Q8_0 if o_type == 6 or o_type == 8 else Q8_K
-    quantize_into(att.reshape(R, Hq * hd), kind, xq_o, dx0_o if kind == Q8_0 else dxk_o, sx_o, bs16_o, bsp_o)
+    kind = ACT_KIND[o_type]
+    quantize_into(att.reshape(R, Hq * hd), kind, xq_o, dx0_o if kind == ACT_Q8_0 else dxk_o, sx_o, bs16_o, bsp_o)
     matmul_row(Wo, o_type, xq_o, dx0_o, sx_o, dxk_o, bs16_o, bsp_o, rs, rl, rb, o_buf)
     o = o_buf[:, :D]
     if post_attn_norm.size:
@@ -155,8 +140,8 @@ def decode_layer(x, pos, cs, lo, chunk, key0,                                   
     project(h, Wgu0, Wgu1, Wgu1, gu_types, xq_d, dx0_d, sx_d, dxk_d, bs16_d, bsp_d, rs, rl, rb, gu0, gu1, gu1)
     gate = np.ascontiguousarray(_member(gu_where, 0, gu0, gu1, gu1))
     up = np.ascontiguousarray(_member(gu_where, 1, gu0, gu1, gu1))
-    kind = Q8_0 if d_type == 6 or d_type == 8 else Q8_K
-    act_quantize(gate, up, geglu, gelu_tab, a, kind, xq_f, dx0_f if kind == Q8_0 else dxk_f, sx_f, bs16_f, bsp_f)
+    kind = ACT_KIND[d_type]
+    act_quantize(gate, up, geglu, gelu_tab, a, kind, xq_f, dx0_f if kind == ACT_Q8_0 else dxk_f, sx_f, bs16_f, bsp_f)
     matmul_row(Wd, d_type, xq_f, dx0_f, sx_f, dxk_f, bs16_f, bsp_f, rs, rl, rb, d_buf)
     d = d_buf[:, :D]
     if post_ffn_norm.size:

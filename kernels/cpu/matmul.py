@@ -21,6 +21,7 @@ from numba import njit, prange
 from kernels.cpu.ops import serial_twin
 from kernels.cpu import qdot
 from kernels.cpu.qdot import EXACT_TYPES, Int8Rows
+from kernels.types import TRAITS
 from kernels.cpu.quant import (
     BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     GGML_BLOCK, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, repack,
@@ -435,8 +436,9 @@ class QMatrix:
         # kernels run on the group's layout; raw=None: such a group, which has only that layout.
         if exact is not None:
             self.exact = np.asarray(exact)
-            if not 0 <= qdot.exact_rows(self.exact, ggml_type) - self.n_rows < 8:
-                raise ValueError(f"layout holds {qdot.exact_rows(self.exact, ggml_type)} rows, expected {self.n_rows}")
+            held = TRAITS[ggml_type].layout_rows(self.exact)
+            if not 0 <= held - self.n_rows < 8:
+                raise ValueError(f"layout holds {held} rows, expected {self.n_rows}")
         else:
             self.exact = qdot.exact_layout(raw, ggml_type, self.n_rows, self.n_cols) if build_exact else None
         self._packed = None                       # the float kernels' layout: built on first use

@@ -29,7 +29,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels import types as T
 from kernels.cpu.ops import f16_bits, f16_value, serial_twin
+from kernels.types import ACT_Q8_0, ACT_Q8_K, TRAITS
 from kernels.cpu.simd import (
     HAS_AVX2, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, bits_to_mask, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i8, i32,
     load_as, madd16, maddubs, nibbles_to_bytes, psign, splat, vconst, vload, vstore,
@@ -159,7 +161,11 @@ def _q5_0_prompt(wx8, xb, dxb, M, out):
                 q5_0_panel(wp, cp, dwp, j0, xb, dxb, g, D, out, r0, g * PANEL_MR, M - g * PANEL_MR)
 
 
-Q8_0_KIND, Q5_0_KIND = 0, 1
+Q8_0_KIND, Q5_0_KIND = 0, 1         # which weight format a q8_0-activation kernel reads
+
+
+def q0_kind(ggml_type: int) -> int:
+    return Q8_0_KIND if ggml_type == T.Q8_0 else Q5_0_KIND
 
 
 # --- Q4_K: 8 weight rows in the 8 lanes ---------------------------------------------------------
@@ -572,15 +578,15 @@ def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
 
 
 class Int8Rows:
-    """Activation rows quantized once for one vec-dot type ("q8_0" or "q8_K") and shared by every
-    matrix that reads the same x (q/k/v, gate/up); the kernel-specific forms are derived on demand."""
+    """Activation rows quantized once for one vec-dot type (types.ACT_Q8_0 or ACT_Q8_K) and shared by
+    every matrix that reads the same x (q/k/v, gate/up); the kernel-specific forms are derived on demand."""
 
-    def __init__(self, x: np.ndarray, kind: str):
+    def __init__(self, x: np.ndarray, kind: int):
         x = np.ascontiguousarray(x, np.float32)
         self.kind = kind
-        if kind == "q8_0":
+        if kind == ACT_Q8_0:
             self.xq, self.dx, self.sx = quantize_q8_0(x)
-        elif kind == "q8_K":
+        elif kind == ACT_Q8_K:
             self.xq, self.dx, self.bs16, self.bsp = quantize_q8_k(x)
         else:
             raise ValueError(f"unknown activation type {kind!r}")
@@ -607,8 +613,7 @@ class Int8Rows:
 # multi-row x8 kernel is faster: 9728 x 896, 2 threads, x8 / panel time: 16 rows 0.73, 32 rows 0.92,
 # 48 rows 0.95, 64 rows 1.02).
 Q5_0_PANEL_MIN_ROWS = 48
-VEC_DOT_KIND = {6: "q8_0", 8: "q8_0", 12: "q8_K", 14: "q8_K"}     # Q5_0, Q8_0, Q4_K, Q6_K
-EXACT_TYPES = frozenset(VEC_DOT_KIND) if HAS_AVX2 else frozenset()
+EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 else frozenset()
 
 
 def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> np.ndarray | None:
@@ -618,16 +623,11 @@ def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> n
     exact kernel applies."""
     if ggml_type not in EXACT_TYPES:
         return None
-    if ggml_type == 12:
+    if ggml_type == T.Q4_K:
         return repack_q4_k_x8(raw, n_cols) if n_rows % 8 == 0 else None
-    if ggml_type == 14:
+    if not TRAITS[ggml_type].x8:
         return np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
     return repack_q0_x8(raw, ggml_type, n_cols)
-
-
-def exact_rows(layout: np.ndarray, ggml_type: int) -> int:
-    """Weight rows a layout holds (x8 layouts: with their padding)."""
-    return layout.shape[0] if ggml_type == 14 else layout.shape[0] * 8
 
 
 Runs = tuple  # (start, length, batched) per run of activation rows
@@ -666,20 +666,18 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     batch it is given, so a batched run gets the arithmetic of a llama.cpp batch of its length and a
     one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
     M = rows.n_rows
-    if ggml_type == 14:
-        w = layout[:n_out]
-        out = np.empty((M, n_out), np.float32)
+    traits = TRAITS[ggml_type]
+    w = traits.layout_prefix(layout, n_out)                     # the rows (or 8-row groups) needed
+    out = np.empty((M, traits.layout_rows(w)), np.float32)
+    if ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
-        return out
-    groups = layout[:-(-n_out // 8)]
-    out = np.empty((M, groups.shape[0] * 8), np.float32)
-    if ggml_type == 12:
-        _q4_k_rows(groups, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
-    elif ggml_type == 6 and M >= Q5_0_PANEL_MIN_ROWS:
+    elif ggml_type == T.Q4_K:
+        _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
+    elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
         xb, dxb = rows.biased_groups()
-        _q5_0_prompt(groups, xb, dxb, M, out)
+        _q5_0_prompt(w, xb, dxb, M, out)
     else:
-        _q0_x8_rows(Q8_0_KIND if ggml_type == 8 else Q5_0_KIND, groups, rows.xq, rows.dx, rows.sx, out)
+        _q0_x8_rows(q0_kind(ggml_type), w, rows.xq, rows.dx, rows.sx, out)
     return out if out.shape[1] == n_out else out[:, :n_out]
 
 
@@ -695,12 +693,12 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
 #         qh [row 8] 32 bits, bit 8e + k = 5th bit of element 4k + e, then d [row] f16   (176 bytes)
 # Q5_0 takes the unsigned 5-bit values q and x as is: sum (q - 16) x = sum q x - 16 sum x, with the
 # group sums of x computed once per activation row (no sign instructions).
-X8_BLOCK = {8: 272, 6: 176}
+X8_BLOCK = {T.Q8_0: 272, T.Q5_0: 176}
 
 
 def repack_q0_x8(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
     """GGUF Q8_0 / Q5_0 rows -> (ceil(N/8), nb * X8_BLOCK) uint8, layout above."""
-    block = Q8_0_BLOCK if ggml_type == 8 else Q5_0_BLOCK
+    block = Q8_0_BLOCK if ggml_type == T.Q8_0 else Q5_0_BLOCK
     nb = n_cols // 32
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, nb * block)
     if rows.shape[0] % 8:           # zero rows (scale 0) pad the last group; their outputs are dropped
@@ -708,7 +706,7 @@ def repack_q0_x8(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
     G = rows.shape[0] // 8
     k = rows.reshape(G, 8, nb, block)
     d = k[..., 0:2].transpose(0, 2, 1, 3).reshape(G, nb, 16)
-    if ggml_type == 8:
+    if ggml_type == T.Q8_0:
         q = k[..., 2:34].reshape(G, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 256)
         parts = [q, d]
     else:
@@ -726,7 +724,7 @@ def repack_q0_x8(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
 def _q0_x8_kernel(ggml_type: int):
     """kern(wx8, g, xq, dx, sx, m, out): out[m, 8g .. 8g+8] for activation row m. sx (M, nb*8) int32:
     16 x the 4-element group sums of xq (Q5_0's offset); unused for Q8_0."""
-    is_q8 = ggml_type == 8
+    is_q8 = ggml_type == T.Q8_0
     block = X8_BLOCK[ggml_type]
 
     def kern(typingctx, wx8, g, xq, dx, sx, m, out):
@@ -794,7 +792,7 @@ def _q0_x8_multi_kernel(ggml_type: int):
     buffer (Q5_0: the 5-bit values, Q8_0: their magnitudes) and read back for each row, whose 8
     accumulators live on the stack, in an IR loop over the rows (unrolled, n x 8 accumulators do not
     fit the 16 registers). Before, each row decoded every block again: 2 rows cost 2 one-row passes."""
-    is_q8 = ggml_type == 8
+    is_q8 = ggml_type == T.Q8_0
     block = X8_BLOCK[ggml_type]
 
     def kern(typingctx, wx8, g, xq, dx, sx, m0, n, out):
@@ -973,20 +971,24 @@ class Q8Row:
         self.bsp = np.empty((1, max(1, K // 64)), np.int32)
 
     def args(self, kind: int):
-        """(kind, xq, dx, sx, bs16, bsp) for kernels.cpu.fused.quantize_into; kind 0 q8_0, 1 q8_K."""
-        return kind, self.xq, self.dx0 if kind == 0 else self.dxk, self.sx, self.bs16, self.bsp
+        """(kind, xq, dx, sx, bs16, bsp) for kernels.cpu.fused.quantize_into (kind: types.ACT_*)."""
+        return kind, self.xq, self.dx0 if kind == ACT_Q8_0 else self.dxk, self.sx, self.bs16, self.bsp
 
 
-def q8_kind(ggml_type: int) -> int:
-    """0 (q8_0) or 1 (q8_K): the activation type llama.cpp quantizes to for this weight type."""
-    return 0 if VEC_DOT_KIND[ggml_type] == "q8_0" else 1
+@njit(cache=True, error_model="numpy")
+def matmul_row(layout, ggml_type, xq, dx0, sx, dxk, bs16, bsp, run_start, run_len, run_batched, out):
+    """Quantized activation rows times an exact layout, inside compiled code (the fused decode
+    layer) or from matmul_into: the dispatch over the exact types, written once."""
+    if ggml_type == T.Q6_K:
+        _q6_k_rows(layout, xq, dxk, bs16, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q4_K:
+        _q4_k_rows(layout, xq, dxk, bsp, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q8_0:
+        _q0_x8_rows(Q8_0_KIND, layout, xq, dx0, sx, out)
+    else:
+        _q0_x8_rows(Q5_0_KIND, layout, xq, dx0, sx, out)
 
 
 def matmul_into(layout: np.ndarray, ggml_type: int, row: Q8Row, out: np.ndarray) -> None:
-    """matmul for one quantized row (its single-token arithmetic) into out (1, exact_rows(layout))."""
-    if ggml_type == 14:
-        _q6_k_rows(layout, row.xq, row.dxk, row.bs16, *ONE_ROW, out)
-    elif ggml_type == 12:
-        _q4_k_rows(layout, row.xq, row.dxk, row.bsp, *ONE_ROW, out)
-    else:
-        _q0_x8_rows(Q8_0_KIND if ggml_type == 8 else Q5_0_KIND, layout, row.xq, row.dx0, row.sx, out)
+    """matmul for one quantized row (its single-token arithmetic) into out (1, rows of the layout)."""
+    matmul_row(layout, ggml_type, row.xq, row.dx0, row.sx, row.dxk, row.bs16, row.bsp, *ONE_ROW, out)

@@ -16,18 +16,12 @@ from numba.extending import intrinsic
 
 from kernels.cpu import ops
 from kernels.cpu.ops import serial_twin
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as _T
+from kernels.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TRAITS
 
-# ggml type id -> (elements per block, bytes per block)
-GGML_BLOCK: dict[int, tuple[int, int]] = {int(t): (int(b), int(s)) for t, (b, s) in GGML_QUANT_SIZES.items()}
-
-F32, F16, BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1), int(_T.Q8_0)
-Q4_K, Q5_K, Q6_K = int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
-
-SUPPORTED_TYPES: frozenset[int] = frozenset({F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
-
-TYPE_NAMES: dict[int, str] = {int(t): t.name for t in _T}
+# views of the type table (kernels.types): type id -> (elements per block, bytes per block), names
+GGML_BLOCK: dict[int, tuple[int, int]] = {t: (tr.block, tr.size) for t, tr in TRAITS.items()}
+SUPPORTED_TYPES: frozenset[int] = frozenset(t for t, tr in TRAITS.items() if tr.supported)
+TYPE_NAMES: dict[int, str] = {t: tr.name for t, tr in TRAITS.items()}
 
 # f16 bit pattern -> f32, exact by construction; 256 KiB, stays in L2 for F16 kernels.
 F16_LUT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)

@@ -23,8 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14          # GGMLQuantizationType ids
-QK = {Q8_0: (32, 34), Q5_0: (32, 22), Q4_K: (256, 144), Q6_K: (256, 210)}  # (elements, bytes) per block
+from kernels.types import Q4_K, Q5_0, Q6_K, Q8_0, TRAITS
+
+QK = {t: (TRAITS[t].block, TRAITS[t].size) for t in (Q8_0, Q5_0, Q4_K, Q6_K)}   # (elements, bytes) per block
+# the same ids as compile-time constants inside the kernels (Triton reads only constexpr globals)
+_Q8_0, _Q5_0, _Q4_K = tl.constexpr(Q8_0), tl.constexpr(Q5_0), tl.constexpr(Q4_K)
 SUPPORTED = tuple(QK)
 
 
@@ -39,12 +42,12 @@ def _f16_at(ptr, mask):
 @triton.jit
 def _dequant_tile(row_ptr, cols, mask, QTYPE: tl.constexpr):
     """Values of W at the given columns; row_ptr (R, 1) byte address of each row, cols (1, K) -> (R, K) fp32."""
-    if QTYPE == 8:      # Q8_0
+    if QTYPE == _Q8_0:
         blk = row_ptr + (cols // 32) * 34
         d = _f16_at(blk, mask)
         q = tl.load(blk + 2 + cols % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         w = d * q
-    elif QTYPE == 6:    # Q5_0
+    elif QTYPE == _Q5_0:
         blk = row_ptr + (cols // 32) * 22
         i = cols % 32
         d = _f16_at(blk, mask)
@@ -53,7 +56,7 @@ def _dequant_tile(row_ptr, cols, mask, QTYPE: tl.constexpr):
         qs = tl.load(blk + 6 + i % 16, mask=mask, other=0).to(tl.int32)
         nib = tl.where(i < 16, qs & 15, qs >> 4)
         w = d * ((nib | (hbit << 4)) - 16).to(tl.float32)
-    elif QTYPE == 12:   # Q4_K
+    elif QTYPE == _Q4_K:
         blk = row_ptr + (cols // 256) * 144
         i = cols % 256
         d = _f16_at(blk, mask)

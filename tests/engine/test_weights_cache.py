@@ -3,6 +3,7 @@ and memory-mapped back on the next load."""
 import numpy as np
 import pytest
 
+from kernels.types import Q6_K
 from models.transformer import load_model
 
 
@@ -17,13 +18,13 @@ def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, qtype):
     fresh = load_model(g, cache_dir=tmp_path / "w")
     files = sorted((tmp_path / "w").glob("*.x8.npy"))
     # a lone Q6_K matrix reads the GGUF rows in place; every other exact layout is a file
-    repacked = [m for m in _exact(fresh) if m.ggml_type != 14 or m.raw is None]
+    repacked = [m for m in _exact(fresh) if m.ggml_type != Q6_K or m.raw is None]
     assert len(files) == len(repacked) > 0                         # one file per repacked matrix, nothing else
     # q, k, v and gate, up of one type run fused: one file (and one matrix) per group
     assert any("+" in f.name for f in files)
     cached = load_model(g, cache_dir=tmp_path / "w")
     for a, b in zip(_exact(fresh), _exact(cached)):
-        if a.ggml_type != 14 or a.raw is None:
+        if a.ggml_type != Q6_K or a.raw is None:
             assert isinstance(b.exact, np.memmap) or isinstance(b.exact.base, np.memmap)   # mapped, not rebuilt
         np.testing.assert_array_equal(np.asarray(a.exact), np.asarray(b.exact))
     x = np.random.default_rng(0).standard_normal(fresh.cfg.n_embd).astype(np.float32)

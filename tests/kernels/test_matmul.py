@@ -12,6 +12,8 @@ from kernels.cpu import qdot
 from kernels.cpu.matmul import QMatrix
 from kernels.cpu.qdot import Int8Rows
 from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES
+from kernels import types as T
+from kernels.types import TRAITS
 from kernels import reference as ref
 from kernels.reference import dequantize_ref, matmul_ref, random_quantized
 
@@ -130,19 +132,19 @@ def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
 
 # --- the exact int8 path ----------------------------------------------------------------------
 
-EXACT = [6, 8, 12, 14]          # Q5_0, Q8_0, Q4_K, Q6_K
+EXACT = [T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 
 
 def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
     """The numpy model of llama.cpp's kernel for each run of rows."""
     out = np.empty((rows.n_rows, raw.shape[0]), np.float32)
-    if ggml_type in (6, 8):
-        d, w = (ref.unpack_q8_0 if ggml_type == 8 else ref.unpack_q5_0)(raw, n_cols)
+    if ggml_type in (T.Q5_0, T.Q8_0):
+        d, w = (ref.unpack_q8_0 if ggml_type == T.Q8_0 else ref.unpack_q5_0)(raw, n_cols)
         return ref.matmul_q0_ref(d, w, rows.dx, rows.xq)
-    unpacked = (ref.unpack_q4_k if ggml_type == 12 else ref.unpack_q6_k)(raw, n_cols)
+    unpacked = (ref.unpack_q4_k if ggml_type == T.Q4_K else ref.unpack_q6_k)(raw, n_cols)
     for r0, n, batched in runs:
         sl = slice(r0, r0 + n)
-        if ggml_type == 12:        # llama.cpp: gemm for the first n - n % 4 rows of a batch > 3 rows
+        if ggml_type == T.Q4_K:        # llama.cpp: gemm for the first n - n % 4 rows of a batch > 3 rows
             n_gemm = n - n % 4 if batched and n > 3 else 0
             g = slice(r0, r0 + n_gemm)
             v = slice(r0 + n_gemm, r0 + n)
@@ -164,7 +166,7 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     assert (m >= qdot.Q5_0_PANEL_MIN_ROWS) == (m == 50)    # the panel kernel is covered, by 50 only
     if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
         n_cols = 1536
-    if ggml_type == 12 and n_rows % 8:
+    if ggml_type == T.Q4_K and n_rows % 8:
         n_rows = 16                # llama.cpp only repacks Q4_K with a multiple of 8 rows
     rng = np.random.default_rng(ggml_type * 1000 + n_rows * 10 + m)
     raw = random_quantized(ggml_type, n_rows, n_cols, rng)
@@ -172,7 +174,7 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     assert qm.exact is not None
     x = rng.standard_normal((m, n_cols)).astype(np.float32)
     x[0, 3] = 25.0                 # an outlier: a block with a large scale
-    rows = Int8Rows(x, qdot.VEC_DOT_KIND[ggml_type])
+    rows = Int8Rows(x, TRAITS[ggml_type].vec_dot)
     got = qm.matmul_int8(rows)
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, True)]))
 
@@ -187,7 +189,7 @@ def test_single_row_arithmetic_for_many_rows(ggml_type, m):
     raw = random_quantized(ggml_type, 16, n_cols, rng)
     qm = QMatrix(raw, ggml_type, 16, n_cols)
     x = rng.standard_normal((m, n_cols)).astype(np.float32)
-    rows = Int8Rows(x, qdot.VEC_DOT_KIND[ggml_type])
+    rows = Int8Rows(x, TRAITS[ggml_type].vec_dot)
     got = qm.matmul_int8(rows, runs=[(0, m, False)])
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, False)]))
 
@@ -201,7 +203,7 @@ def test_one_row_runs_give_every_row_its_single_row_numbers(ggml_type):
     raw = random_quantized(ggml_type, 24, n_cols, rng)
     qm = QMatrix(raw, ggml_type, 24, n_cols)
     x = rng.standard_normal((24, n_cols)).astype(np.float32)
-    kind = qdot.VEC_DOT_KIND[ggml_type]
+    kind = TRAITS[ggml_type].vec_dot
     # single-row runs merge (1 + 4 + a batch of one: 6 rows in one pass), a batched run keeps its own
     # arithmetic (9 rows; 2 rows), then 7 single rows
     runs = [(0, 9, True), (9, 1, False), (10, 4, False), (14, 1, True), (15, 2, True), (17, 7, False)]
@@ -223,7 +225,7 @@ def test_first_rows_only(ggml_type, n_out):
     rng = np.random.default_rng(n_out)
     raw = random_quantized(ggml_type, 40, 1536, rng)
     qm = QMatrix(raw, ggml_type, 40, 1536)
-    rows = Int8Rows(rng.standard_normal((3, 1536)).astype(np.float32), qdot.VEC_DOT_KIND[ggml_type])
+    rows = Int8Rows(rng.standard_normal((3, 1536)).astype(np.float32), TRAITS[ggml_type].vec_dot)
     np.testing.assert_array_equal(qm.matmul_int8(rows, n_out), qm.matmul_int8(rows)[:, :n_out])
 
 
@@ -233,7 +235,7 @@ def test_exact_parallel_and_serial_agree(ggml_type):
     rng = np.random.default_rng(7)
     raw = random_quantized(ggml_type, 64, 1536, rng)
     qm = QMatrix(raw, ggml_type, 64, 1536)
-    rows = Int8Rows(rng.standard_normal((20, 1536)).astype(np.float32), qdot.VEC_DOT_KIND[ggml_type])
+    rows = Int8Rows(rng.standard_normal((20, 1536)).astype(np.float32), TRAITS[ggml_type].vec_dot)
     got2 = qm.matmul_int8(rows)
     n = numba.get_num_threads()
     try:

@@ -1,0 +1,73 @@
+"""One record per GGML type, in the manner of ggml-cpu's `type_traits`, for the CPU and CUDA kernels
+alike. GGML type ids appear here and nowhere else: every other module names a type (types.Q6_K) or
+reads its record (TRAITS[t]). Plain data: importing it compiles nothing.
+
+A record says what a block is (elements, bytes), what llama.cpp quantizes the activations to before
+its integer dot product with that type (`vec_dot`: q8_0 or q8_K, the one encoding of it), and how
+the exact kernels (kernels.cpu.qdot) lay the weights out: 8 rows interleaved per group, or the GGUF
+rows as they are. Types without `vec_dot` run the float kernels (kernels.cpu.matmul).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as _G
+
+# ids, named once (numba kernels compare against these as compile-time constants)
+F32, F16, BF16 = int(_G.F32), int(_G.F16), int(_G.BF16)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 = int(_G.Q4_0), int(_G.Q4_1), int(_G.Q5_0), int(_G.Q5_1), int(_G.Q8_0), int(_G.Q8_1)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = int(_G.Q2_K), int(_G.Q3_K), int(_G.Q4_K), int(_G.Q5_K), int(_G.Q6_K), int(_G.Q8_K)
+
+# the activation types of llama.cpp's integer dot products
+ACT_Q8_0, ACT_Q8_K = 0, 1
+ACT_NAMES = ("q8_0", "q8_K")
+
+
+@dataclass(frozen=True)
+class TypeTraits:
+    id: int
+    name: str
+    block: int                   # elements per block
+    size: int                    # bytes per block
+    vec_dot: int | None = None   # ACT_Q8_0 / ACT_Q8_K: llama.cpp's exact integer path; None: float kernels
+    x8: bool = False             # exact layout: groups of 8 interleaved rows (a repack, cached on disk);
+                                 # False with vec_dot: the GGUF rows themselves
+    supported: bool = False      # the native engine loads it
+
+    @property
+    def exact(self) -> bool:
+        return self.vec_dot is not None
+
+    def layout_rows(self, layout: np.ndarray) -> int:
+        """Weight rows an exact layout holds (x8: with the padding of the last group)."""
+        return layout.shape[0] * 8 if self.x8 else layout.shape[0]
+
+    def layout_prefix(self, layout: np.ndarray, n_rows: int) -> np.ndarray:
+        """The part of an exact layout that holds the first n_rows weight rows."""
+        return layout[:-(-n_rows // 8)] if self.x8 else layout[:n_rows]
+
+
+_EXACT = {Q5_0: (ACT_Q8_0, True), Q8_0: (ACT_Q8_0, True), Q4_K: (ACT_Q8_K, True), Q6_K: (ACT_Q8_K, False)}
+_SUPPORTED = {F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K}
+
+TRAITS: dict[int, TypeTraits] = {
+    int(t): TypeTraits(int(t), t.name, int(block), int(size), *_EXACT.get(int(t), (None, False)),
+                       supported=int(t) in _SUPPORTED)
+    for t, (block, size) in GGML_QUANT_SIZES.items()
+}
+
+# For numba kernels: the activation type of each type id (-1: none). A global array is a constant there.
+ACT_KIND = np.full(max(TRAITS) + 1, -1, np.int64)
+for _t in TRAITS.values():
+    if _t.vec_dot is not None:
+        ACT_KIND[_t.id] = _t.vec_dot
+
+# the activation llama.cpp's matmul feeds each quantized type (kernels.cpu.activations rounds to it)
+Q8_0_ACTIVATION_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0})
+Q8_K_ACTIVATION_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+
+
+def type_name(ggml_type: int) -> str:
+    t = TRAITS.get(ggml_type)
+    return t.name if t else f"type {ggml_type}"
