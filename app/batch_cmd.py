@@ -2,8 +2,9 @@
 batching (core.batch) on the native engine.
 
 Input, one JSON object a line: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]},
-with optional sampling fields (temperature, top_k, top_p, min_p, repeat_penalty, seed, max_tokens,
-stop) over the command line's defaults. Output, one line per id, written and flushed as soon as it
+with optional sampling fields (every SamplingParams field but logit_bias and banned: temperature,
+top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed,
+max_tokens, stop) over the command line's defaults. Output, one line per id, written and flushed as soon as it
 finishes: {"id", "line", "text", "tokens", "finish_reason", "timings"}, or {"id", "line", "error"} for
 a line that cannot run ("id": null when the line has none; "line" is its 1-based number in the input). Ids already answered in the output file
 are skipped, so an interrupted run resumes where it stopped; ids that failed run again.
@@ -11,18 +12,15 @@ are skipped, so an interrupted run resumes where it stopped; ids that failed run
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Iterator
 
+from app.args import add_sampling_args, sampling_from_args, sampling_from_json
 from models.errors import BadInputError
 
-SAMPLING_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
-                   "seed": int, "max_tokens": int}
 
 
 def add_batch_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,37 +37,15 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
                    help=f"most sequences decoded together (default: {DEFAULT_PARALLEL})")
     p.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
-    from app.cli import _add_sampling_args
-    _add_sampling_args(p)   # the same sampling flags as `run`; a line's own fields override them
+    add_sampling_args(p)   # the same sampling flags as `run`; a line's own fields override them
     return p
 
 
 def _default_params(args):
-    from app.cli import sampling_from_args
     params = sampling_from_args(args)
     if params.banned:   # backing off needs a per-sequence rollback the batch scheduler does not do
         raise BadInputError("--ban is not supported by kvchat batch; use kvchat run")
     return params
-
-
-def line_params(obj: dict, base):
-    """The request's SamplingParams: the line's fields over the command line's. BadInputError if bad."""
-    changes = {}
-    for name, kind in SAMPLING_FIELDS.items():
-        if name not in obj or obj[name] is None:
-            continue
-        value = obj[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                (kind is int and not float(value).is_integer()) or not math.isfinite(value):
-            raise BadInputError(f"{name} must be a number, got {value!r}")
-        changes[name] = kind(value)
-    if "stop" in obj and obj["stop"] is not None:
-        stop = obj["stop"]
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise BadInputError("stop must be a string or a list of strings")
-        changes["stop"] = tuple(stop)
-    return dataclasses.replace(base, **changes).validate()
 
 
 def resume_output(path: Path) -> set[str]:
@@ -121,7 +97,7 @@ def parse_lines(lines, engine, base, chat: bool
             yield None, n, None, None, f"line {n}: missing id" + (" (it must be a string or a number)" if rid is not None else "")
             continue
         try:
-            params = line_params(obj, base)
+            params = sampling_from_json(obj, base)   # the line's fields over the command line's
             if isinstance(obj.get("messages"), list) and obj["messages"]:
                 msgs = obj["messages"]
                 if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -15,6 +15,7 @@ from core.paths import use_numba_cache
 use_numba_cache()  # before anything imports numba
 
 from models.errors import BadInputError  # noqa: E402
+from app.args import add_sampling_args, sampling_from_args, set_default_sampling_args  # noqa: E402
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
 
@@ -49,25 +50,6 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
                         "after full accepts and shrink after a miss; 7 for draft, which stops where the draft model is unsure)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=512, help="most tokens to generate (default: 512; -n as in llama.cpp)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="0 = off (default: 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default: 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default: 0.05)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default: 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); never printed")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from seen tokens (default: 0)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence (default: 0)")
-    p.add_argument("--repeat-last-n", type=int, default=64, help="penalty window in tokens (default: 64)")
-    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS to token ID's logit (repeatable; BIAS may be -inf to ban it)")
-    p.add_argument("--ban", action="append", default=[], metavar="STRING",
-                   help="a string that must never appear in the output (repeatable): decoding backs off and "
-                        "resamples where it would start")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="kvchat", description="Local LLM chat on GGUF models, with kvchat's own engine.")
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
@@ -79,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="one-shot generation; text streams to stdout")
     run.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' or absent reads stdin (when not a TTY)")
     _add_model_args(run)
-    _add_sampling_args(run)
+    add_sampling_args(run)
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -198,22 +180,6 @@ def load_engine(args, model: str | None = None):
     with stderr_progress() as progress:
         return Engine(model or args.model, backend=getattr(args, "backend", None), n_ctx=args.ctx,
                       threads=args.threads, progress=progress)
-
-
-def sampling_from_args(args):
-    from core.types import SamplingParams
-    bias = []
-    for item in args.logit_bias:
-        token, _, value = item.partition("=")
-        try:
-            bias.append((int(token), float(value)))
-        except ValueError:
-            raise BadInputError(f"--logit-bias wants ID=BIAS, got {item!r}") from None
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, repeat_last_n=args.repeat_last_n,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-                          logit_bias=tuple(bias), banned=tuple(args.ban)).validate()
 
 
 def cmd_run(args) -> int:
@@ -340,10 +306,7 @@ def cmd_chat(args) -> int:
         return run_tui(args)
     # No terminal to draw on (or the TUI is not installed): one greeting, so the command still works.
     args.prompt, args.system, args.no_chat, args.json = "Hello! Introduce yourself in one sentence.", None, False, False
-    args.max_tokens, args.temperature, args.top_k, args.top_p, args.min_p = 128, 0.8, 40, 0.95, 0.05
-    args.repeat_penalty, args.seed, args.stop = 1.0, None, []
-    args.presence_penalty, args.frequency_penalty, args.repeat_last_n, args.logit_bias = 0.0, 0.0, 64, []
-    args.ban = []
+    set_default_sampling_args(args, max_tokens=128)
     return cmd_run(args)
 
 

@@ -7,22 +7,37 @@ from dataclasses import asdict, dataclass, field
 
 from models.errors import BadInputError
 
+def option(default, kind: type, help: str, hint: str = "", flag: str = "", repeat: bool = False,
+           metavar: str | None = None, in_batch: bool = True):
+    """A SamplingParams field and what the interfaces built from it need: its command-line flag (by
+    default --field-name), help and a short hint (its settings label), the type of one value,
+    whether it repeats, and whether a `kvchat batch` line may set it."""
+    return field(default=default, metadata={"kind": kind, "help": help, "hint": hint, "flag": flag,
+                                            "repeat": repeat, "metavar": metavar, "in_batch": in_batch})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What the user asks of one generation. `validate` refuses values out of range."""
-    temperature: float = 0.8        # 0 = greedy
-    top_k: int = 40                 # 0 = off
-    top_p: float = 0.95             # 1 = off
-    min_p: float = 0.05             # 0 = off
-    repeat_penalty: float = 1.0     # 1 = off
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 512
-    stop: tuple[str, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); -inf bans it
-    banned: tuple[str, ...] = ()    # strings that must never appear in the output (back off and resample)
+    """What the user asks of one generation: the one list of sampling options. The flags of `run`,
+    `chat` and `batch`, batch lines' fields and the chat's settings screen are made from these fields
+    (app/args.py). `validate` refuses values out of range."""
+    temperature: float = option(0.8, float, "sampling temperature", "0 = greedy")
+    top_k: int = option(40, int, "keep the k most likely tokens", "0 = off")
+    top_p: float = option(0.95, float, "keep the smallest set of tokens with this much probability", "1 = off")
+    min_p: float = option(0.05, float, "drop tokens below this fraction of the top token's probability", "0 = off")
+    repeat_penalty: float = option(1.0, float, "divide the logits of recent tokens by this", "1 = off")
+    repeat_last_n: int = option(64, int, "penalty window in tokens")
+    presence_penalty: float = option(0.0, float, "subtracted once from the logit of every token seen", "0 = off")
+    frequency_penalty: float = option(0.0, float, "subtracted per occurrence of a token seen", "0 = off")
+    seed: int | None = option(None, int, "seed for reproducible sampling", "empty = random")
+    max_tokens: int = option(512, int, "most tokens to generate; -n as in llama.cpp", flag="-n/--max-tokens")
+    stop: tuple[str, ...] = option((), str, "stop string (repeatable); never printed", repeat=True)
+    logit_bias: tuple[tuple[int, float], ...] = option(   # (token id, added to its logit); -inf bans it
+        (), str, "add BIAS to token ID's logit (repeatable; BIAS may be -inf to ban it)", repeat=True,
+        metavar="ID=BIAS", in_batch=False)
+    banned: tuple[str, ...] = option(     # strings that must never appear in the output (back off and resample)
+        (), str, "a string that must never appear in the output (repeatable): decoding backs off and "
+        "resamples where it would start", flag="--ban", repeat=True, metavar="STRING", in_batch=False)
 
     def validate(self) -> "SamplingParams":
         checks = [

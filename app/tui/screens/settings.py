@@ -1,35 +1,26 @@
-"""Sampling settings of the current chat. Values are checked with SamplingParams.validate: a bad
-value is refused in place, with the reason, and nothing is saved."""
+"""Sampling settings of the current chat: a field for each single-valued SamplingParams option
+(app/args.py). Values are checked with SamplingParams.validate: a bad value is refused in place,
+with the reason, and nothing is saved."""
 from __future__ import annotations
-
-import dataclasses
 
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
+from app.args import SETTINGS_OPTIONS, label, sampling_from_text
 from core.types import SamplingParams
 from models.errors import BadInputError
 
-FIELDS = [  # (field, label, type)
-    ("temperature", "temperature (0 = greedy)", float),
-    ("top_k", "top-k (0 = off)", int),
-    ("top_p", "top-p (1 = off)", float),
-    ("min_p", "min-p (0 = off)", float),
-    ("repeat_penalty", "repeat penalty (1 = off)", float),
-    ("max_tokens", "max tokens", int),
-    ("seed", "seed (empty = random)", int),
-]
-
 
 def params_from_dict(values: dict) -> SamplingParams:
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    """A chat's stored settings (fields it does not know, from another version, are left out)."""
+    known = {f.name for f in SETTINGS_OPTIONS}
     return SamplingParams(**{k: v for k, v in values.items() if k in known})
 
 
 def params_to_dict(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name, _, _ in FIELDS}
+    return {f.name: getattr(params, f.name) for f in SETTINGS_OPTIONS}
 
 
 class SettingsScreen(ModalScreen[SamplingParams | None]):
@@ -42,11 +33,11 @@ class SettingsScreen(ModalScreen[SamplingParams | None]):
     def compose(self):
         with Vertical(classes="dialog settings"):
             yield Label("Sampling settings (this chat)", classes="dialog-title")
-            for name, label, _ in FIELDS:
-                value = getattr(self.params, name)
+            for f in SETTINGS_OPTIONS:
+                value = getattr(self.params, f.name)
                 with Horizontal(classes="field"):
-                    yield Label(label, classes="field-label")
-                    yield Input("" if value is None else str(value), id=f"set-{name}")
+                    yield Label(label(f), classes="field-label")
+                    yield Input("" if value is None else str(value), id=f"set-{f.name}")
             yield Label("", id="settings-error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save (ctrl+s)", variant="primary", id="save")
@@ -54,17 +45,8 @@ class SettingsScreen(ModalScreen[SamplingParams | None]):
 
     def read(self) -> SamplingParams:
         """The values typed, validated; raises BadInputError with a one-line reason."""
-        values = {}
-        for name, label, kind in FIELDS:
-            raw = self.query_one(f"#set-{name}", Input).value.strip()
-            if name == "seed" and raw == "":
-                values[name] = None
-                continue
-            try:
-                values[name] = kind(raw)
-            except ValueError:
-                raise BadInputError(f"{label.split(' (')[0]}: '{raw}' is not a{'n integer' if kind is int else ' number'}") from None
-        return dataclasses.replace(self.params, **values).validate()
+        texts = {f.name: self.query_one(f"#set-{f.name}", Input).value for f in SETTINGS_OPTIONS}
+        return sampling_from_text(texts, self.params)
 
     def action_save(self) -> None:
         error = self.query_one("#settings-error", Label)

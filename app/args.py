@@ -1,0 +1,108 @@
+"""Sampling options as each interface takes them, all made from SamplingParams' fields (core.types):
+the flags of `run`, `chat` and `batch`, the fields of a `kvchat batch` line, and the chat's settings
+screen. A new option is a new field there, and appears everywhere at once."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from core.types import SamplingParams
+from models.errors import BadInputError
+
+OPTIONS = [f for f in dataclasses.fields(SamplingParams)]
+BATCH_OPTIONS = [f for f in OPTIONS if f.metadata["in_batch"]]
+SETTINGS_OPTIONS = [f for f in OPTIONS if not f.metadata["repeat"]]   # one value each: a text field
+
+
+def flags(f: dataclasses.Field) -> list[str]:
+    return f.metadata["flag"].split("/") if f.metadata["flag"] else ["--" + f.name.replace("_", "-")]
+
+
+def human(f: dataclasses.Field) -> str:
+    """The option's name as people type it: 'top-k'."""
+    return f.name.replace("_", "-")
+
+
+def label(f: dataclasses.Field) -> str:
+    """The option's name with its hint: 'top-k (0 = off)'."""
+    hint = f.metadata["hint"]
+    return human(f) + (f" ({hint})" if hint else "")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    for f in OPTIONS:
+        m = f.metadata
+        if m["repeat"]:
+            p.add_argument(*flags(f), dest=f.name, action="append", default=[], metavar=m["metavar"], help=m["help"])
+            continue
+        if f.default is None:      # no value: the hint speaks of the settings screen's empty field
+            notes = []
+        else:
+            notes = ([m["hint"]] if m["hint"] else []) + [f"default: {f.default}"]
+        p.add_argument(*flags(f), dest=f.name, type=m["kind"], default=f.default, metavar=m["metavar"],
+                       help=m["help"] + (f" ({'; '.join(notes)})" if notes else ""))
+
+
+def _logit_bias(item: str) -> tuple[int, float]:
+    token, _, value = item.partition("=")
+    try:
+        return int(token), float(value)
+    except ValueError:
+        raise BadInputError(f"--logit-bias wants ID=BIAS, got {item!r}") from None
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    values = {}
+    for f in OPTIONS:
+        v = getattr(args, f.name)
+        if f.name == "logit_bias":
+            v = [_logit_bias(item) for item in v]
+        values[f.name] = tuple(v) if f.metadata["repeat"] else v
+    return SamplingParams(**values).validate()
+
+
+def set_default_sampling_args(args: argparse.Namespace, **overrides) -> None:
+    """Give args every sampling option's default (a command that had no sampling flags)."""
+    for f in OPTIONS:
+        setattr(args, f.name, overrides.get(f.name, [] if f.metadata["repeat"] else f.default))
+
+
+def _number(name: str, value, kind: type):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (kind is int and not float(value).is_integer()):
+        raise BadInputError(f"{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
+    return kind(value)
+
+
+def sampling_from_json(obj: dict, base: SamplingParams) -> SamplingParams:
+    """A batch line's (or a request body's) sampling fields over `base`. BadInputError if bad."""
+    changes = {}
+    for f in BATCH_OPTIONS:
+        value = obj.get(f.name)
+        if value is None:
+            continue
+        if f.metadata["repeat"]:        # a string or a list of strings
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise BadInputError(f"{f.name} must be a string or a list of strings")
+            changes[f.name] = tuple(value)
+        else:
+            changes[f.name] = _number(f.name, value, f.metadata["kind"])
+    return dataclasses.replace(base, **changes).validate()
+
+
+def sampling_from_text(texts: dict[str, str], base: SamplingParams) -> SamplingParams:
+    """The settings screen's text fields over `base` (an empty optional field is None). BadInputError if bad."""
+    changes = {}
+    for f in SETTINGS_OPTIONS:
+        raw = texts[f.name].strip()
+        if raw == "" and f.default is None:
+            changes[f.name] = None
+            continue
+        try:
+            changes[f.name] = f.metadata["kind"](raw)
+        except ValueError:
+            kind = "n integer" if f.metadata["kind"] is int else " number"
+            raise BadInputError(f"{human(f)}: '{raw}' is not a{kind}") from None
+    return dataclasses.replace(base, **changes).validate()
