@@ -12,7 +12,7 @@ from models.errors import BadInputError
 
 OPTIONS = [f for f in dataclasses.fields(SamplingParams)]
 BATCH_OPTIONS = [f for f in OPTIONS if f.metadata["in_batch"]]
-SETTINGS_OPTIONS = [f for f in OPTIONS if not f.metadata["repeat"]]   # one value each: a text field
+SETTINGS_OPTIONS = [f for f in OPTIONS if f.name in SamplingParams().settings()]   # one value each: a text field
 
 
 def flags(f: dataclasses.Field) -> list[str]:

@@ -183,6 +183,7 @@ def load_engine(args, model: str | None = None):
 
 
 def cmd_run(args) -> int:
+    from core.chat_session import fit_prompt
     from core.types import SpeculativeConfig
     params = sampling_from_args(args)
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
@@ -197,7 +198,7 @@ def cmd_run(args) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     if not chat and args.system:
         messages = [{"role": "user", "content": args.system + "\n\n" + prompt}]
-    ids, truncated = engine.fit_prompt(messages, chat=chat)
+    ids, truncated = fit_prompt(engine, messages, chat=chat)
     cancel = threading.Event()
     pieces, tokens = [], []
     interrupted = False

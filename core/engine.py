@@ -104,30 +104,6 @@ class Engine:
                 parts.append(m["content"])
         return tok.encode("".join(parts), add_bos=tok.add_bos, special=False)
 
-    def fit_prompt(self, messages: Sequence[Message | dict], chat: bool = True,
-                   reserve: int = 0) -> tuple[list[int], bool]:
-        """Token ids for a conversation that fits the context with `reserve` tokens left to generate.
-        When it does not fit, the oldest whole turns go first; system messages and the last user
-        message always stay. Returns (ids, truncated). A last message that alone does not fit is an error."""
-        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
-        budget = self.n_ctx - max(0, min(reserve, self.n_ctx // 4))
-        ids = self.prompt_ids(msgs, chat)
-        truncated = False
-        while len(ids) >= budget:
-            droppable = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
-            if not droppable:
-                raise BadInputError(f"the message is {len(ids)} tokens but the context holds {self.n_ctx} "
-                                    f"(with {self.n_ctx - budget} kept free for the reply); shorten it or raise --ctx")
-            first = droppable[0]
-            # drop a whole turn: the oldest user message and the replies that follow it
-            end = first + 1
-            while end < len(msgs) - 1 and msgs[end]["role"] not in ("user", "system"):
-                end += 1
-            del msgs[first:end]
-            truncated = True
-            ids = self.prompt_ids(msgs, chat)
-        return ids, truncated
-
     def draft_backend(self, draft_model: str) -> Backend:
         """The native backend of a draft model for speculative decoding, loaded on first use and
         kept. Its vocabulary must be the target's token for token (drafts are token ids)."""

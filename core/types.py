@@ -3,7 +3,7 @@ SpeculativeConfig), what comes back (TokenEvent, Timings), and the live counters
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from models.errors import BadInputError
 
@@ -38,6 +38,16 @@ class SamplingParams:
     banned: tuple[str, ...] = option(     # strings that must never appear in the output (back off and resample)
         (), str, "a string that must never appear in the output (repeatable): decoding backs off and "
         "resamples where it would start", flag="--ban", repeat=True, metavar="STRING", in_batch=False)
+
+    def settings(self) -> dict:
+        """The single-valued options, as a chat stores them (its settings)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata["repeat"]}
+
+    @classmethod
+    def from_settings(cls, values: dict) -> "SamplingParams":
+        """Stored settings back (fields this version does not know are left out)."""
+        known = {f.name for f in fields(cls) if not f.metadata["repeat"]}
+        return cls(**{k: v for k, v in values.items() if k in known})
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -102,8 +112,7 @@ SPECULATIVE_METHODS = ("off", "lookup", "draft")
 
 # Most tokens drafted per check by default: prompt lookup adapts its length up to this (see
 # core.speculative.LookupDrafter); a draft model stops earlier where it is unsure of its draft
-# (core.speculative.DRAFT_MIN_P), so a high cap costs little (code rewrite, 0.5B for 1.5B, stopping
-# at a token below 0.5: 1.10-1.13x at 3, 1.29-1.39x at 7).
+# (core.speculative.DRAFT_MIN_P), so a high cap costs little (README: measured).
 DEFAULT_DRAFT_N = {"off": 1, "lookup": 7, "draft": 7}
 
 

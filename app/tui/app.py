@@ -7,8 +7,8 @@ Threading: the engine is driven from a Textual thread worker. That thread never 
 posts small dataclass Messages (ResponseStarted, TokenArrived, ResponseDone, ResponseFailed,
 ModelProgress, ModelLoaded, ModelFailed) that the UI handles with @on. Token text is batched in the
 worker (at most 10 posts a second) and MarkdownStream coalesces whatever still arrives faster than
-it renders. The worker also writes the reply to the history (checkpoints every 0.5 s, then the final
-text and status) so that a crash of the UI loses nothing that was generated.
+it renders. What a message does to the conversation (send, edit, regenerate, trimming, the reply's
+history) is core.chat_session's: this module renders the session and sends it intents.
 """
 from __future__ import annotations
 
@@ -29,21 +29,21 @@ from textual.worker import get_current_worker
 from app.tui.screens.dialogs import ConfirmScreen, PromptScreen
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.model import ModelScreen
-from app.tui.screens.settings import SettingsScreen, params_from_dict, params_to_dict
+from app.tui.screens.settings import SettingsScreen
 from app.tui.widgets.chat_input import ChatInput
 from app.tui.widgets.messages import AssistantMessage, EarlierMessages, MessageBox, UserMessage, code_blocks
 from app.tui.widgets.sidebar import Sidebar
 from app.tui.widgets.stats import StatusBar, XRayPanel, status_line
-from core.types import SamplingParams
+from core.chat_session import ChatSession, Reply
 from core.history import History
+from core.types import SamplingParams
 from models.errors import BadInputError
 
 TOKEN_BATCH_S = 0.1        # the worker posts streamed text at most 10 times a second (each post re-lays out the chat)
-CHECKPOINT_S = 0.5         # and saves the partial reply this often
 STATS_REFRESH_S = 0.25
 # Messages mounted in the chat view; older ones stay in the history behind an "earlier messages"
 # line. Every layout pass of a streaming reply walks all mounted widgets (a Markdown reply is one
-# widget per block): with 120 long messages mounted, decoding in the chat fell from 41 to 5.5 t/s.
+# widget per block), so many mounted messages slow decoding in the chat to a crawl (README: measured).
 SHOWN_MESSAGES = 30
 
 
@@ -127,19 +127,28 @@ class KvChatApp(App):
         self.speculative = speculative             # core.types.SpeculativeConfig or None
         self.engine = engine
         self.owns_engine = False                   # an engine handed in belongs to the caller
-        self.history = History(db_path)
-        self.conversation_id: int | None = None
-        self.params = SamplingParams()            # settings for the next new chat (the last ones used)
-        self.new_chat_system_prompt = ""
+        self.session = ChatSession(History(db_path))
+        self.history = self.session.history
         self.generating = False
         self.generated_once = False                # live numbers appear after this app's first reply
         self.cancel_event = threading.Event()
         self.worker_idle = threading.Event()
         self.worker_idle.set()
         self.reply_widget: AssistantMessage | None = None
-        self.editing_message_id: int | None = None
         self.loading_model: str | None = None
         self.queued_text: str | None = None        # sent once the model has loaded
+
+    @property
+    def conversation_id(self) -> int | None:
+        return self.session.conversation_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.session.params
+
+    @params.setter
+    def params(self, params: SamplingParams) -> None:
+        self.session.params = params
 
     # --- layout ----------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -181,14 +190,10 @@ class KvChatApp(App):
         await self.query_one(Sidebar).show(self.history.list_conversations(), self.conversation_id)
 
     async def open_conversation(self, conversation_id: int | None, show_all: bool = False) -> None:
-        self.conversation_id = conversation_id
-        self.editing_message_id = None
+        messages = self.session.open(conversation_id)
         view = self.query_one("#messages", VerticalScroll)
         await view.remove_children()
         if conversation_id is not None:
-            conv = self.history.get_conversation(conversation_id)
-            self.params = params_from_dict(conv.settings) if conv.settings else self.params
-            messages = self.history.messages(conversation_id)
             hidden = 0 if show_all else max(0, len(messages) - SHOWN_MESSAGES)
             widgets: list = [EarlierMessages(hidden)] if hidden else []
             widgets += [self.message_widget(m) for m in messages[hidden:]]
@@ -232,15 +237,6 @@ class KvChatApp(App):
             await self.open_conversation(event.conversation_id)
         self.query_one(ChatInput).focus()
 
-    def ensure_conversation(self, first_text: str) -> int:
-        if self.conversation_id is None:
-            title = " ".join(first_text.split())[:48] or "New chat"
-            self.conversation_id = self.history.create_conversation(
-                title, self.new_chat_system_prompt, self.engine.model_name if self.engine else self.model_spec,
-                params_to_dict(self.params))
-            self.new_chat_system_prompt = ""
-        return self.conversation_id
-
     # --- sending and streaming -------------------------------------------------------------
     @on(ChatInput.Submitted)
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
@@ -260,14 +256,11 @@ class KvChatApp(App):
                 self.notify("No model loaded: pick one with f5", severity="warning")
             return
         view = self.query_one("#messages", VerticalScroll)
-        if self.editing_message_id is not None:      # edit and resend: drop the old message and what followed
-            self.history.delete_messages_from(self.conversation_id, self.editing_message_id)
+        message_id, dropped = self.session.send(text, self.engine.model_name)
+        if dropped is not None:                       # an edit: the old message and what followed go
             for box in list(view.query(MessageBox)):
-                if box.message_id is not None and box.message_id >= self.editing_message_id:
+                if box.message_id is not None and box.message_id >= dropped:
                     await box.remove()
-            self.editing_message_id = None
-        conversation_id = self.ensure_conversation(text)
-        message_id = self.history.add_message(conversation_id, "user", text)
         self.query_one(ChatInput).clear()
         await view.mount(UserMessage(text, message_id))
         await self.trim_view()
@@ -275,36 +268,19 @@ class KvChatApp(App):
         await self.start_reply()
         await self.refresh_sidebar()
 
-    def build_prompt(self) -> list[int]:
-        conv = self.history.get_conversation(self.conversation_id)
-        turns = [{"role": m.role, "content": m.content} for m in self.history.messages(self.conversation_id)
-                 if m.content and m.status != "error"]
-        system = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt else []
-        engine = self.engine
-        room = engine.n_ctx - min(self.params.max_tokens, engine.n_ctx // 4)
-        while True:   # drop the oldest turns until the prompt leaves room for the reply
-            ids = engine.prompt_ids(system + turns, chat=engine.has_chat_template)
-            if len(ids) < room or len(turns) <= 1:
-                return ids
-            turns = turns[1:]
-
     async def start_reply(self) -> None:
         engine = self.engine
         try:
-            ids = self.build_prompt()
-            params = self.params.validate()
+            reply = self.session.begin_reply(engine)
         except BadInputError as e:
             self.notify(str(e), severity="error")
             return
         except RuntimeError as e:   # the engine's process is gone (killed, out of memory)
             self.notify(f"{e}. Load a model again with f5.", title="Engine error", severity="error", timeout=10)
             return
-        if len(ids) >= engine.n_ctx:
-            self.notify(f"The message is {len(ids)} tokens; the context holds {engine.n_ctx}", severity="error")
-            return
-        self.history.update_conversation(self.conversation_id, model=engine.model_name)
-        reply_id = self.history.start_reply(self.conversation_id, engine.model_name)
-        self.reply_widget = AssistantMessage("", reply_id, "streaming", model=engine.model_name)
+        if reply.truncated:
+            self.notify("The oldest turns no longer fit the context: this reply does not see them")
+        self.reply_widget = AssistantMessage("", reply.id, "streaming", model=engine.model_name)
         view = self.query_one("#messages", VerticalScroll)
         await view.mount(self.reply_widget)
         view.anchor()
@@ -314,50 +290,40 @@ class KvChatApp(App):
         self.worker_idle.clear()
         self.stats_timer.resume()
         self.refresh_stats(queued=True)
-        self.generate_reply(engine, reply_id, ids, params, self.cancel_event)
+        self.generate_reply(engine, reply, self.cancel_event)
 
     @work(thread=True, exclusive=True, group="generate")
-    def generate_reply(self, engine, reply_id: int, ids: list[int], params: SamplingParams,
-                       cancel: threading.Event) -> None:
+    def generate_reply(self, engine, reply: Reply, cancel: threading.Event) -> None:
+        """The session streams the reply; this posts its text to the UI in batches."""
         worker = get_current_worker()
-        pieces: list[str] = []
         pending: list[str] = []
-        last_post = last_checkpoint = time.monotonic()
+        last_post = [time.monotonic()]
+
+        def on_text(text: str) -> None:
+            if worker.is_cancelled:
+                cancel.set()
+            pending.append(text)
+            if time.monotonic() - last_post[0] >= TOKEN_BATCH_S:
+                self.post_message(TokenArrived(reply.id, "".join(pending)))
+                pending.clear()
+                last_post[0] = time.monotonic()
+
         try:
-            self.post_message(ResponseStarted(reply_id))
-            if self.threads is None and engine.backend.capabilities.decode_threads:
-                engine.backend.set_decode_threads(max(1, (os.cpu_count() or 1) - 1))   # a core for the UI
-            spec = self.speculative if engine.backend.capabilities.speculative else None
-            for event in engine.generate(ids, params, cancel, spec):
-                if worker.is_cancelled:
-                    cancel.set()
-                if event.text:
-                    pieces.append(event.text)
-                    pending.append(event.text)
-                now = time.monotonic()
-                if pending and now - last_post >= TOKEN_BATCH_S:
-                    self.post_message(TokenArrived(reply_id, "".join(pending)))
-                    pending.clear()
-                    last_post = now
-                if now - last_checkpoint >= CHECKPOINT_S:
-                    self.history.checkpoint_reply(reply_id, "".join(pieces))
-                    last_checkpoint = now
-            if pending:
-                self.post_message(TokenArrived(reply_id, "".join(pending)))
+            self.post_message(ResponseStarted(reply.id))
             backend = engine.backend
-            status = "stopped" if backend.finish_reason == "cancelled" else "complete"
-            timings = backend.timings.as_dict() | {"finish_reason": backend.finish_reason}
-            self.history.finish_reply(reply_id, "".join(pieces), status, timings)
-            summary = (f"{backend.timings.predicted_n} tok · {backend.timings.predicted_per_second:.1f} t/s"
-                       + ("" if backend.finish_reason in ("stop", "cancelled") else f" · {backend.finish_reason}"))
-            self.post_message(ResponseDone(reply_id, status, backend.finish_reason or "", summary))
-        except Exception as e:   # noqa: BLE001 - any engine failure becomes a message in the app
-            error = str(e) or type(e).__name__
             try:
-                self.history.finish_reply(reply_id, "".join(pieces), "error", {"error": error})
-            except Exception:    # noqa: BLE001 - the db is gone (app shutting down); nothing to save into
-                pass
-            self.post_message(ResponseFailed(reply_id, error))
+                if self.threads is None and backend.capabilities.decode_threads:
+                    backend.set_decode_threads(max(1, (os.cpu_count() or 1) - 1))   # a core for the UI
+            except RuntimeError:
+                pass                  # the engine is gone: generating reports it as the reply's error
+            spec = self.speculative if backend.capabilities.speculative else None
+            end = self.session.stream_reply(engine, reply, cancel, spec, on_text)
+            if pending:
+                self.post_message(TokenArrived(reply.id, "".join(pending)))
+            if end.status == "error":
+                self.post_message(ResponseFailed(reply.id, end.summary))
+            else:
+                self.post_message(ResponseDone(reply.id, end.status, end.finish_reason, end.summary))
         finally:
             self.worker_idle.set()
 
@@ -485,8 +451,7 @@ class KvChatApp(App):
         if self.generating:
             self.cancel_event.set()
             self.refresh_stats()
-        elif self.editing_message_id is not None:
-            self.editing_message_id = None
+        elif self.session.cancel_edit():
             self.query_one(ChatInput).clear()
             self.notify("Edit cancelled")
 
@@ -500,26 +465,20 @@ class KvChatApp(App):
     async def action_regenerate(self) -> None:
         if self.generating or self.engine is None or self.conversation_id is None:
             return
-        msgs = self.history.messages(self.conversation_id)
-        if not msgs:
-            return
-        last = msgs[-1]
-        if last.role == "assistant":
-            self.history.delete_messages_from(self.conversation_id, last.id)
-            for box in self.query(AssistantMessage):
-                if box.message_id == last.id:
-                    await box.remove()
+        dropped = self.session.drop_last_reply()
+        for box in self.query(AssistantMessage):
+            if dropped is not None and box.message_id == dropped:
+                await box.remove()
         await self.start_reply()
 
     def action_edit_last(self) -> None:
         if self.generating or self.conversation_id is None:
             return
-        users = [m for m in self.history.messages(self.conversation_id) if m.role == "user"]
-        if not users:
+        text = self.session.start_edit()
+        if text is None:
             return
-        self.editing_message_id = users[-1].id
         box = self.query_one(ChatInput)
-        box.text = users[-1].content
+        box.text = text
         box.focus()
         self.notify("Editing your last message: enter resends it, esc cancels")
 
@@ -531,7 +490,7 @@ class KvChatApp(App):
 
         async def renamed(title: str | None) -> None:
             if title and title.strip():
-                self.history.update_conversation(conv.id, title=title.strip())
+                self.session.rename(title)
                 await self.refresh_sidebar()
         self.push_screen(PromptScreen("Rename chat", conv.title), renamed)
 
@@ -542,23 +501,17 @@ class KvChatApp(App):
 
         async def confirmed(yes: bool | None) -> None:
             if yes:
-                self.history.delete_conversation(conv.id)
-                rest = self.history.list_conversations()
-                await self.open_conversation(rest[0].id if rest else None)
+                await self.open_conversation(self.session.delete())
                 self.notify(f"Deleted '{conv.title}'")
         self.push_screen(ConfirmScreen(f"Delete the chat '{conv.title}' and all its messages?"), confirmed)
 
     def action_system_prompt(self) -> None:
-        current = (self.history.get_conversation(self.conversation_id).system_prompt
-                   if self.conversation_id is not None else self.new_chat_system_prompt)
+        current = self.session.system_prompt()
 
         def saved(text: str | None) -> None:
             if text is None:
                 return
-            if self.conversation_id is None:
-                self.new_chat_system_prompt = text
-            else:
-                self.history.update_conversation(self.conversation_id, system_prompt=text)
+            self.session.set_system_prompt(text)
             self.notify("System prompt saved" + ("" if self.engine is None or self.engine.has_chat_template
                                                  else " (this model has no chat template: it is prepended as text)"))
         self.push_screen(PromptScreen("System prompt for this chat", current, multiline=True), saved)
@@ -567,9 +520,7 @@ class KvChatApp(App):
         def saved(params: SamplingParams | None) -> None:
             if params is None:
                 return
-            self.params = params
-            if self.conversation_id is not None:
-                self.history.update_conversation(self.conversation_id, settings=params_to_dict(params))
+            self.session.set_params(params)
             self.notify("Settings saved")
         self.push_screen(SettingsScreen(self.params), saved)
 
@@ -636,10 +587,7 @@ class KvChatApp(App):
         if self.conversation_id is None:
             self.notify("Nothing to export yet")
             return
-        folder = self.history.path.parent / "exports"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"kvchat-{self.conversation_id}.md"
-        path.write_text(self.history.export_conversation(self.conversation_id, "md") + "\n", encoding="utf-8")
+        path = self.session.export(self.history.path.parent / "exports")
         self.notify(f"Exported to {path}", timeout=8)
 
 

@@ -4,6 +4,7 @@ import threading
 import numpy as np
 import pytest
 
+from core.chat_session import fit_prompt
 from core.request import split_at_stop
 from core.types import SamplingParams
 from core.engine import Engine
@@ -35,7 +36,7 @@ def test_overflow_drops_oldest_turns_and_keeps_system(engine):
         turns += [{"role": "user", "content": f"Question number {i}: tell me about the number {i} in detail."},
                   {"role": "assistant", "content": f"The number {i} is a number. " * 4}]
     messages = [system] + turns + [{"role": "user", "content": "Final question: what is 2+2?"}]
-    ids, truncated = engine.fit_prompt(messages, reserve=32)
+    ids, truncated = fit_prompt(engine, messages, reserve=32)
     text = engine.tokenizer.decode(ids, special=True)
     assert truncated and len(ids) < engine.n_ctx - 32
     assert "You are Kvbot" in text and "Final question" in text
@@ -47,13 +48,13 @@ def test_overflow_drops_oldest_turns_and_keeps_system(engine):
 
 def test_fitting_conversation_is_untouched(engine):
     messages = [{"role": "user", "content": "hi"}]
-    ids, truncated = engine.fit_prompt(messages)
+    ids, truncated = fit_prompt(engine, messages)
     assert not truncated and ids == engine.prompt_ids(messages)
 
 
 def test_one_message_longer_than_context_is_an_error(engine):
     with pytest.raises(BadInputError, match="context holds 256"):
-        engine.fit_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "word " * 400}])
+        fit_prompt(engine, [{"role": "system", "content": "s"}, {"role": "user", "content": "word " * 400}])
 
 
 def test_prefix_reuse_gives_the_same_tokens(engine):

@@ -13,16 +13,6 @@ from core.types import SamplingParams
 from models.errors import BadInputError
 
 
-def params_from_dict(values: dict) -> SamplingParams:
-    """A chat's stored settings (fields it does not know, from another version, are left out)."""
-    known = {f.name for f in SETTINGS_OPTIONS}
-    return SamplingParams(**{k: v for k, v in values.items() if k in known})
-
-
-def params_to_dict(params: SamplingParams) -> dict:
-    return {f.name: getattr(params, f.name) for f in SETTINGS_OPTIONS}
-
-
 class SettingsScreen(ModalScreen[SamplingParams | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
