@@ -26,7 +26,7 @@ from core.sampler import Sampler
 from core.types import SamplingParams, Timings
 from models.errors import BadInputError
 
-DEFAULT_PARALLEL = 16   # measured best on qwen 0.5B, 2 cores: 8 -> 78, 16 -> 85, 32 -> 75 tok/s
+DEFAULT_PARALLEL = 16   # the best of 8, 16 and 32 on qwen 0.5B, 2 cores (README: measured)
 PREFILL_BUDGET = PREFILL_CHUNK  # prompt tokens per step across all joining sequences
 
 

@@ -1,10 +1,9 @@
 """An Engine in a child process, for the TUI.
 
 Why: the engine's Python glue (between numba kernels) and Textual's rendering share one GIL when
-they share a process. With a long chat on screen, every streamed update costs Textual ~25 ms of
-Python, and the engine waits for all of it: decode in the chat ran at ~25 t/s against ~40 t/s for
-the engine alone (qwen 0.5B, one decode thread). In its own process the engine never waits for the
-UI.
+they share a process. With a long chat on screen, every streamed update costs Textual tens of
+milliseconds of Python, and the engine waits for all of it (README: measured). In its own process
+the engine never waits for the UI.
 
 `EngineProcess` has the part of Engine's surface the TUI uses: model_name, backend_name, n_ctx,
 has_chat_template, device, prompt_ids, generate, close, and a `backend` view with the backend's

@@ -15,7 +15,7 @@ from core.paths import weights_cache_dir
 from core.tokenizer import Tokenizer
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
-from models.transformer import load_model
+from models.architectures import load_model
 
 Progress = Callable[[str, int, int], None]
 # A warm-up step slower than this compiled kernels rather than loading them from the cache.
@@ -27,10 +27,10 @@ def _keep_freed_memory() -> None:
 
     A forward pass allocates its activations afresh (a 512-token chunk: ~10 MB per gate, up and
     SwiGLU output, every layer). glibc serves blocks that big with mmap and unmaps them on free, so
-    each pass faulted in ~30,000 zeroed pages again: 0.15-0.25 s of kernel time per pp512 on 2
-    cores. Served from the heap and never trimmed, the same memory is reused pass after pass
-    (measured: faults 30,800 -> 0 per pass, qwen pp512 925-1068 -> 781-867 ms). The process keeps
-    its high-water mark, which is what it needs again at the next prompt anyway. No-op off glibc."""
+    each pass faulted in tens of thousands of zeroed pages again, a good part of a pp512's time in
+    the kernel. Served from the heap and never trimmed, the same memory is reused pass after pass
+    (README: measured). The process keeps its high-water mark, which is what it needs again at the
+    next prompt anyway. No-op off glibc."""
     import ctypes
     import ctypes.util
 
@@ -65,8 +65,8 @@ class NativeBackend(Backend):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self._threads = threads
         # Threads for the decode phase (None: all). The TUI leaves one core to the interface: on a
-        # 2-core machine its rendering otherwise stalls numba's parallel regions (measured: decode
-        # in the chat 20-28 t/s on 2 threads, 30-37 on 1; prefill keeps every thread).
+        # 2-core machine its rendering otherwise stalls numba's parallel regions, and decode in the
+        # chat is faster on one thread than on two (README: measured); prefill keeps every thread.
         self._decode_threads: int | None = None
         self.progress = progress or _stderr_progress
         self.model = load_model(gguf, self.progress, weights_cache_dir(gguf.path))
@@ -100,7 +100,6 @@ class NativeBackend(Backend):
                 self.extend([self.tokenizer.bos_id or 0])
             self.seq.release()
         self.progress("preparing kernels", 2, 2)
-        self.warmup_s = time.perf_counter() - t0
 
     def set_phase(self, phase: str) -> None:
         import numba

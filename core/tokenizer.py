@@ -228,10 +228,6 @@ class Tokenizer:
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
-    @cached_property
-    def bos_prefix(self) -> list[int]:
-        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
-
 
 class StreamDecoder:
     """Turns ids into text one at a time without ever emitting half a UTF-8 character."""

@@ -21,7 +21,6 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = int(_G.Q2_K), int(_G.Q3_K), int(_G.Q4_K), i
 
 # the activation types of llama.cpp's integer dot products
 ACT_Q8_0, ACT_Q8_K = 0, 1
-ACT_NAMES = ("q8_0", "q8_K")
 
 
 @dataclass(frozen=True)

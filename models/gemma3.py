@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kernels.cpu.libm import inv_sqrtf, sqrtf
 from models.gguf_file import GGUFFile
-from models.transformer import Decoder, DecoderConfig
+from models.transformer import DecoderConfig
 
 SWA_PATTERN = 6
 ROPE_BASE_LOCAL = 10000.0
@@ -36,7 +36,3 @@ class Gemma3Config(DecoderConfig):
                    swa_pattern=SWA_PATTERN,
                    rope_base_local=float(g.arch_get("rope.freq_base_swa") or ROPE_BASE_LOCAL))
 
-
-class Gemma3(Decoder):
-    def __init__(self, g: GGUFFile, progress=None):
-        super().__init__(Gemma3Config.from_gguf(g), g, progress)

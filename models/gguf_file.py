@@ -22,11 +22,11 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from kernels.types import TRAITS
+from models.architectures import ARCHITECTURES
 from models.errors import BadInputError
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
-SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+SUPPORTED_TYPES = frozenset(t for t, traits in TRAITS.items() if traits.supported)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -228,19 +228,12 @@ class GGUFFile:
     def type_counts(self) -> Counter:
         return Counter(t.type_name for t in self.tensors.values())
 
-    def tensor_data(self, name: str) -> np.ndarray:
-        """The raw memory-mapped data of a tensor (typed for F32/F16/BF16... as the reader gives it)."""
-        for t in self.reader.tensors:
-            if t.name == name:
-                return t.data
-        raise BadInputError(f"tensor {name} missing from {self.path.name}")
-
     # --- checks the engines need -----------------------------------------------------------
     def require_supported(self) -> "GGUFFile":
         """Refuse architectures and tensor types kvchat cannot run."""
-        if self.arch not in SUPPORTED_ARCHS:
+        if self.arch not in ARCHITECTURES:
             raise BadInputError(f"unsupported architecture '{self.arch}' in {self.path.name} "
-                                f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+                                f"(supported: {', '.join(ARCHITECTURES)})")
         for t in self.tensors.values():
             if t.ggml_type not in SUPPORTED_TYPES:
                 raise BadInputError(f"unsupported tensor type {t.type_name} (tensor {t.name}) in {self.path.name}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.gguf_file import GGUFFile
-from models.transformer import Decoder, DecoderConfig
+from models.transformer import DecoderConfig
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,3 @@ class LlamaConfig(DecoderConfig):
     def from_gguf(cls, g: GGUFFile) -> "LlamaConfig":
         return cls(**cls.common_from_gguf(g), rope_neox=False, activation="swiglu")
 
-
-class Llama(Decoder):
-    def __init__(self, g: GGUFFile, progress=None):
-        super().__init__(LlamaConfig.from_gguf(g), g, progress)

@@ -4,16 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.gguf_file import GGUFFile
-from models.transformer import Decoder, DecoderConfig
+from models.transformer import DecoderConfig
 
 
 @dataclass(frozen=True)
 class Qwen2Config(DecoderConfig):
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Qwen2Config":
-        return cls(**cls.common_from_gguf(g), rope_neox=True, qkv_bias=True, activation="swiglu")
+        return cls(**cls.common_from_gguf(g), rope_neox=True, activation="swiglu")
 
-
-class Qwen2(Decoder):
-    def __init__(self, g: GGUFFile, progress=None):
-        super().__init__(Qwen2Config.from_gguf(g), g, progress)

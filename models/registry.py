@@ -210,10 +210,3 @@ def _sha256_of(f, total: int, progress: Progress | None, stage: str) -> str:
             progress(stage, done, total)
     return digest.hexdigest()
 
-
-def remove_partials() -> None:
-    """Delete leftovers of interrupted pulls (their names start with a dot and never end in .gguf)."""
-    for leftover in models_dir().glob(".*.partial-*"):
-        leftover.unlink(missing_ok=True)
-    for leftover in models_dir().glob(".*.wheels-*"):
-        shutil.rmtree(leftover, ignore_errors=True)

@@ -43,7 +43,6 @@ class DecoderConfig:
     rope_base: float
     n_rot: int
     rope_neox: bool
-    qkv_bias: bool = False
     qk_norm: bool = False
     post_norms: bool = False
     activation: str = "swiglu"            # swiglu | geglu_tanh
@@ -80,7 +79,7 @@ class DecoderConfig:
         head_dim = int(g.arch_get("attention.key_length") or n_embd // n_head)
         if "token_embd.weight" not in g.tensors:
             raise BadInputError(f"{g.path.name} has no token_embd.weight")
-        n_vocab = int(g.tensors["token_embd.weight"].shape[1])  # reading the vocab list costs 0.5 s
+        n_vocab = int(g.tensors["token_embd.weight"].shape[1])  # (reading the whole vocab list is slow)
         return dict(
             n_vocab=n_vocab, n_embd=n_embd, n_layer=int(need("block_count")), n_head=n_head,
             n_head_kv=int(g.arch_get("attention.head_count_kv") or n_head), head_dim=head_dim,
@@ -641,17 +640,3 @@ class Decoder:
         only (a draft model; the output matrix is the largest one)."""
         x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
         return _mm(self.output, x, plan, self.llama_rounding, n_out=vocab_limit)
-
-
-def load_model(g: GGUFFile, progress=None, cache_dir: Path | None = None) -> Decoder:
-    """The Decoder for `g.arch` (llama, qwen2, gemma3)."""
-    if g.arch == "llama":
-        from models.llama import LlamaConfig as Config
-    elif g.arch == "qwen2":
-        from models.qwen2 import Qwen2Config as Config
-    elif g.arch == "gemma3":
-        from models.gemma3 import Gemma3Config as Config
-    else:
-        raise BadInputError(f"the native engine does not run architecture '{g.arch}'")
-    return Decoder(Config.from_gguf(g), g, progress, cache_dir)
-

@@ -18,6 +18,18 @@ from core.paths import use_numba_cache  # noqa: E402
 use_numba_cache()
 
 
+MODEL_FIXTURES = {"qwen_path", "gemma_path", "qwen15_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs a registry model (through any fixture) is marked real_model, as are the
+    modules that drive kvchat in subprocesses (they mark themselves): `-m "not real_model"` runs the
+    fast rest."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         print("\nERROR: no tests were collected; failing the run instead of passing silently", file=sys.stderr)

@@ -119,7 +119,7 @@ def _softmax_row(S, i0, n, key0, lo, hi, scale):
     for jj in range(b8, b):
         S[i0 + jj] *= scale
         m = max(m, S[i0 + jj])
-    row = S[i0:i0 + n]            # loops over a view: 0.54 -> 0.46 ms for 140 windowed rows x 1528 keys
+    row = S[i0:i0 + n]            # loops over a view: no per-index offset arithmetic
     for jj in range(a):
         row[jj] = np.float32(-np.inf)
     for jj in range(b, n):
@@ -138,15 +138,14 @@ def _softmax_row(S, i0, n, key0, lo, hi, scale):
 @njit(cache=True, error_model="numpy")
 def _softmax_rows(S, R, span, k_lo, lo_pos, pos, scale):
     """_softmax_row for each of a tile's R rows (row i: keys lo_pos[i] .. pos[i] visible). A
-    function of its own, not inlined: inlined into _prefill_tile, LLVM left its loops scalar
-    (measured 1.32 vs 0.35 ms for 140 rows x 1520 keys)."""
+    function of its own, not inlined: inlined into _prefill_tile, LLVM left its loops scalar."""
     for i in range(R):
         _softmax_row(S, i * span, span, k_lo, lo_pos[i], pos[i], scale)
 
 
 # The scores sweep the keys in blocks of about this many bytes of widened K, each block for all of
 # a tile's rows: the block stays in L1 while every row pair reads it (sweeping all keys per row
-# pair streamed K from L2 at ~32 B/cycle, the FMAs' pace; 140 rows x 1521 keys x 64: 0.63 -> 0.45 ms).
+# pair streamed K from L2 at about the pace of the FMAs, leaving them waiting).
 SCORE_BLOCK_BYTES = 16 << 10
 
 
@@ -306,7 +305,7 @@ SCORES_BYTES_MAX = 2 << 20
 def _choose_q_tile(T: int, n_q_heads: int, n_kv_heads: int, head_dim: int = 64, n_keys: int = 0) -> int:
     """Query positions per work item: tiles of up to ~256 rows (positions x GQA group) so the
     row-vectorized loops are long, but with the tile's queries (head_dim x rows float32) within
-    64 KB (gemma's head_dim 256: 64 rows, 63 vs 70 ms at pp512) and its scores (rows x n_keys)
+    64 KB (gemma's head_dim 256: 64 rows, faster at pp512 than larger tiles) and its scores (rows x n_keys)
     within SCORES_BYTES_MAX, as few tiles as that allows, of equal size (a short tail tile runs at
     a fraction of the speed), and at least one work item per thread."""
     group = n_q_heads // n_kv_heads

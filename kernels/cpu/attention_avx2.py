@@ -129,8 +129,8 @@ def vd_pv_tile(typingctx, P, G, i0, n, vbuf, acc, first):
     ggml_vec_dot_f16's chain over the key cells (accumulator (i % 32) // 8, lane i % 8). A chain's
     PV_DIMS / 8 vectors stay in registers over its keys of the tile. first != 0: the chains start
     from zero (acc is not read; all 32 chains are written). Why: each V row is widened once per kv
-    head (not once per query head) and V is read in key order (not 32 keys apart): P@V over 2000
-    keys 1.07-1.32x faster than one chain at a time (qwen 0.5B, 1.5B, gemma heads; ~0.9x at 200)."""
+    head (not once per query head) and V is read in key order (not 32 keys apart), which pays off
+    over long contexts and costs a little over short ones (README: measured)."""
     sig = types.void(P, G, i0, n, vbuf, acc, first)
     NV = PV_DIMS // 8
 

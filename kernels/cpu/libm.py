@@ -8,7 +8,9 @@ constant computed with numpy depends on the machine. These wrappers call the C l
 same on every CPU: the glibc that llama.cpp links. Inside numba kernels, `math.sin`/`math.cos`/
 `math.tanh` on float32 already compile to calls of these same functions.
 
-Use these, never numpy ufuncs, for any float constant on the path from weights to logits.
+Use these, never numpy ufuncs, for any float constant on the path from weights to logits; a
+constant that needs another of ggml's libm functions (expf, logf, tanhf for YaRN or soft-capping)
+gets its wrapper here, beside these.
 """
 from __future__ import annotations
 
@@ -27,8 +29,7 @@ def _f32_fn(name: str, n_args: int):
     return fn
 
 
-_powf, _sqrtf, _expf, _logf = (_f32_fn(n, k) for n, k in (("powf", 2), ("sqrtf", 1), ("expf", 1), ("logf", 1)))
-_sinf, _cosf, _tanhf = (_f32_fn(n, 1) for n in ("sinf", "cosf", "tanhf"))
+_powf, _sqrtf = _f32_fn("powf", 2), _f32_fn("sqrtf", 1)
 
 
 def powf(x: float, y: float) -> np.float32:
@@ -38,26 +39,6 @@ def powf(x: float, y: float) -> np.float32:
 
 def sqrtf(x: float) -> np.float32:
     return np.float32(_sqrtf(np.float32(x)))
-
-
-def expf(x: float) -> np.float32:
-    return np.float32(_expf(np.float32(x)))
-
-
-def logf(x: float) -> np.float32:
-    return np.float32(_logf(np.float32(x)))
-
-
-def sinf(x: float) -> np.float32:
-    return np.float32(_sinf(np.float32(x)))
-
-
-def cosf(x: float) -> np.float32:
-    return np.float32(_cosf(np.float32(x)))
-
-
-def tanhf(x: float) -> np.float32:
-    return np.float32(_tanhf(np.float32(x)))
 
 
 def rope_theta_scale(freq_base: float, n_dims: int) -> np.float32:

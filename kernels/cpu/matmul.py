@@ -37,7 +37,7 @@ _EMPTY = np.empty(0, np.float32)
 # Kernel shape: prange over chunks of ROWS rows. Each inner loop covers 128-256 elements
 # (4 small blocks, or one K-quant super-block), with the block scales broadcast as scalars,
 # so the horizontal sum that ends a vectorized reduction happens once per 128-256 elements
-# (reducing per 32-element block costs 2-3x). Offsets and minimums are folded out with
+# (reducing per 32-element block costs several times more). Offsets and minimums are folded out with
 # per-block sums of x. Inner loops index per-block slices with the loop variable only: a
 # computed signed index (b*32 + l) makes numba emit a negative-index wraparound select per
 # element, which LLVM turns into gathers. bits_f32/i8_f32 keep the decode in 32-bit lanes.

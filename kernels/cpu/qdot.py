@@ -33,8 +33,8 @@ from kernels import types as T
 from kernels.cpu.ops import f16_bits, f16_value, serial_twin
 from kernels.types import ACT_Q8_0, ACT_Q8_K, TRAITS
 from kernels.cpu.simd import (
-    HAS_AVX2, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, bits_to_mask, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i8, i32,
-    load_as, madd16, maddubs, nibbles_to_bytes, psign, splat, vconst, vload, vstore,
+    HAS_AVX2, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i8, i32,
+    load_as, madd16, maddubs, psign, splat, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -610,8 +610,7 @@ class Int8Rows:
 
 
 # From this many activation rows on, Q5_0 goes through the unpacked panel kernel (below it the
-# multi-row x8 kernel is faster: 9728 x 896, 2 threads, x8 / panel time: 16 rows 0.73, 32 rows 0.92,
-# 48 rows 0.95, 64 rows 1.02).
+# multi-row x8 kernel is faster; README: measured).
 Q5_0_PANEL_MIN_ROWS = 48
 EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 else frozenset()
 
@@ -629,8 +628,6 @@ def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> n
         return np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
     return repack_q0_x8(raw, ggml_type, n_cols)
 
-
-Runs = tuple  # (start, length, batched) per run of activation rows
 
 
 def run_arrays(runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

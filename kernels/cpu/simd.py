@@ -9,14 +9,13 @@ built from the helpers here. Target: x86-64 with AVX2, FMA and F16C.
 from __future__ import annotations
 
 from llvmlite import binding as _llvm, ir
-from numba import types
 from numba.core import cgutils
 
 _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-f16, f32, f64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
+f16, f32 = ir.HalfType(), ir.FloatType()
 V32B = ir.VectorType(i8, 32)     # one 256-bit register of bytes
 V16S = ir.VectorType(i16, 16)    # ... of int16
 V8I = ir.VectorType(i32, 8)      # ... of int32
@@ -96,10 +95,6 @@ def fma(builder, a, b, c):
     return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])
 
 
-def fma1(builder, a, b, c):
-    return call(builder, "llvm.fma.f32", f32, [a, b, c])
-
-
 def lanes(builder, v, n=8):
     return [builder.extract_element(v, c32(k)) for k in range(n)]
 
@@ -108,13 +103,6 @@ def hsum8(builder, v):
     """hsum_float_8 (and tinyBLAS's hsum) of a V8F: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))."""
     e = lanes(builder, v)
     r = [builder.fadd(e[4 + k], e[k]) for k in range(4)]
-    return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
-
-
-def hsum8_vec(builder, accs):
-    """hsum8 of 8 vectors lane by lane (lane r of accs[k] is element k of output r): the same
-    tree, vectorized across 8 outputs."""
-    r = [builder.fadd(accs[4 + k], accs[k]) for k in range(4)]
     return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
 
 
@@ -129,23 +117,6 @@ def reduce4x8(builder, s):
     return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
 
 
-def nibbles_to_bytes(builder, qs16):
-    """16 packed bytes -> 32 bytes: low nibbles (elements 0..15), then high nibbles (16..31)
-    (llama.cpp's bytes_from_nibbles_32)."""
-    lo = builder.and_(qs16, vconst(V16B, 0x0F))
-    hi = builder.lshr(qs16, vconst(V16B, 4))
-    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
-
-
-def bits_to_mask(builder, qh32):
-    """32 bits -> 32 bytes, byte e = 0xFF where bit e is set (llama.cpp's bytes_from_bits_32)."""
-    b4 = builder.bitcast(qh32, ir.VectorType(i8, 4))
-    spread = builder.shuffle_vector(b4, ir.Constant(ir.VectorType(i8, 4), ir.Undefined),
-                                    ir.Constant(ir.VectorType(i32, 32), [e // 8 for e in range(32)]))
-    bit = ir.Constant(V32B, [1 << (e % 8) for e in range(32)])
-    return builder.icmp_unsigned("!=", builder.and_(spread, bit), ir.Constant(V32B, [0] * 32))
-
-
 def array(context, builder, sig_arg, value):
     """numba array struct of an intrinsic argument."""
     return context.make_array(sig_arg)(context, builder, value)
@@ -155,5 +126,3 @@ def as_i64(builder, v):
     w = v.type.width
     return builder.sext(v, i64) if w < 64 else (builder.trunc(v, i64) if w > 64 else v)
 
-
-VOID = types.void

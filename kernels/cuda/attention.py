@@ -320,6 +320,3 @@ def write_kv(k_cache, v_cache, block_table, start_pos: int, k, v) -> None:
     k_cache[blk, pos % bs] = k.to(k_cache.dtype)
     v_cache[blk, pos % bs] = v.to(v_cache.dtype)
 
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -13,7 +13,7 @@ N_CTX = 512
 
 
 @pytest.fixture(scope="session")
-def engine():
+def engine(gemma_path):
     from core.engine import Engine
     eng = Engine(MODEL, backend="llama.cpp", n_ctx=N_CTX, threads=2)
     yield eng

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from core.history import History
 
 CHILD = r"""
@@ -36,6 +38,8 @@ async def main(db):
 
 asyncio.run(main(sys.argv[1]))
 """
+
+pytestmark = pytest.mark.real_model   # drives kvchat in subprocesses
 
 
 def test_sigkill_during_streaming_loses_no_completed_message(tmp_path):

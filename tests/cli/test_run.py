@@ -14,6 +14,8 @@ from tests.conftest import run_kvchat
 
 GREEDY = ["--temperature", "0", "--max-tokens", "24"]
 
+pytestmark = pytest.mark.real_model   # drives kvchat in subprocesses
+
 
 def test_run_streams_a_greedy_answer_as_json(qwen_path):
     out = run_kvchat("run", "Tell me a fun fact about the Roman Empire", "--backend", "llama.cpp", "--json", *GREEDY)

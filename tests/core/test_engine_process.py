@@ -21,6 +21,8 @@ N_CTX = 512
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.real_model   # drives kvchat in subprocesses
+
 
 @pytest.fixture(scope="module")
 def remote(gemma_path):

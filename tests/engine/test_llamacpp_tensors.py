@@ -111,11 +111,6 @@ def _ulps(a, b) -> int:
     return int(np.abs(a - b).max())
 
 
-def _rel(a, b) -> float:
-    b = np.asarray(b, np.float32).ravel()
-    return float(np.abs(np.asarray(a, np.float32).ravel() - b).max() / np.abs(b).max())
-
-
 def test_norms_rope_swiglu_are_bit_exact(step):
     """RMSNorm (float32 squares summed in float64 in order), rope (ggml's float32 angles, fused
     rotation) and SwiGLU (ggml_v_expf's fused multiply-adds) reproduce llama.cpp to the bit."""

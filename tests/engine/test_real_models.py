@@ -42,8 +42,7 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
-def engines(request):
-    registry.resolve(request.param)                      # pulled on the first run, like a user's
+def engines(request, qwen_path, gemma_path):          # both pulled on the first run, like a user's
     eng = Engine(request.param, backend="llama.cpp", n_ctx=512, threads=2)
     native = NativeBackend(eng.gguf, eng.tokenizer, 512, 2)
     batched = LlamaCppBackend(eng.gguf, eng.tokenizer, 512, 2, logits_all=True)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kernels.types import Q6_K
-from models.transformer import load_model
+from models.architectures import load_model
 
 
 

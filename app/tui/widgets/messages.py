@@ -33,10 +33,6 @@ class UserMessage(MessageBox):
         self.border_title = "You"
         yield Static(self.content, markup=False, classes="body")
 
-    def set_content(self, text: str) -> None:
-        self.content = text
-        self.query_one(Static).update(text)
-
 
 class AssistantMessage(MessageBox):
     role = "assistant"

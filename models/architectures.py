@@ -1,0 +1,31 @@
+"""The architecture table: a GGUF's `general.architecture` -> the config class that reads it. One file
+per architecture holds its config (what differs from the shared transformer); models.transformer
+runs them all and imports none of them. The table names each config by module, so that reading a
+GGUF (models.gguf_file) can consult it without loading the engine."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from models.errors import BadInputError
+
+if TYPE_CHECKING:
+    from models.gguf_file import GGUFFile
+    from models.transformer import Decoder
+
+ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config class)
+    "llama": ("models.llama", "LlamaConfig"),
+    "qwen2": ("models.qwen2", "Qwen2Config"),
+    "gemma3": ("models.gemma3", "Gemma3Config"),
+}
+
+
+def load_model(g: "GGUFFile", progress=None, cache_dir: Path | None = None) -> "Decoder":
+    """The native engine's Decoder for this GGUF's architecture."""
+    from models.transformer import Decoder
+    if g.arch not in ARCHITECTURES:
+        raise BadInputError(f"the native engine does not run architecture '{g.arch}'")
+    module, name = ARCHITECTURES[g.arch]
+    config = getattr(importlib.import_module(module), name)
+    return Decoder(config.from_gguf(g), g, progress, cache_dir)
