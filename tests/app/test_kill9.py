@@ -21,11 +21,13 @@ from core.types import SamplingParams
 from core.engine import Engine
 
 async def main(db):
-    engine = Engine("gemma-3-270m", backend="llama.cpp", n_ctx=512, threads=2)
+    engine = Engine("gemma-3-270m", backend="llama.cpp", n_ctx=2048, threads=2)
     app = KvChatApp(engine=engine, db_path=db)
+    # the long reply cannot end before the kill, however fast the machine: no end-of-text token
+    no_end = tuple((t, float("-inf")) for t in engine.tokenizer.eog_ids)
     async with app.run_test(size=(80, 24)) as pilot:
-        for i, (prompt, n) in enumerate([("One, two,", 6), ("Red, green,", 6), ("A long story:", 400)]):
-            app.params = SamplingParams(temperature=0.8, max_tokens=n, seed=i)
+        for i, (prompt, n) in enumerate([("One, two,", 6), ("Red, green,", 6), ("A long story:", 1500)]):
+            app.params = SamplingParams(temperature=0.8, max_tokens=n, seed=i, logit_bias=no_end if n > 100 else ())
             await app.send(prompt)
             print("SENT", prompt, flush=True)
             announced = False

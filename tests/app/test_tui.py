@@ -55,7 +55,8 @@ async def test_send_streams_and_completes(engine, tmp_path):
 
 async def test_escape_stops_mid_stream(engine, tmp_path):
     db = tmp_path / "h.db"
-    app = make_app(engine, db, max_tokens=400, temperature=0.8)
+    no_end = tuple((t, float("-inf")) for t in engine.tokenizer.eog_ids)   # it cannot end before the key
+    app = make_app(engine, db, max_tokens=400, temperature=0.8, logit_bias=no_end)
     async with app.run_test(size=SIZE) as pilot:
         await type_and_send(pilot, "Once upon a time")
         await wait_until(pilot, lambda: app.reply_widget is not None and len(app.reply_widget.content) > 10,

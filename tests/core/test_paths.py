@@ -25,13 +25,18 @@ def test_numba_cache_is_per_kernels_version(tmp_path, monkeypatch):
 
 
 def test_fingerprint_follows_the_kernel_sources(tmp_path, monkeypatch):
-    """A changed helper in any kernel file (not only the compiled function's own) changes it."""
+    """A changed helper in any kernel file (not only the compiled function's own) changes it, and so
+    does the type table, whose constants the kernels compile in."""
     src = tmp_path / "kernels" / "cpu"
     src.mkdir(parents=True)
     (src / "ops.py").write_text("def f(): return 1\n")
+    (tmp_path / "kernels" / "types.py").write_text("Q8_0 = 8\n")
     fake = tmp_path / "core" / "paths.py"
     fake.parent.mkdir()
     monkeypatch.setattr(paths, "__file__", str(fake))
     first = paths.kernels_fingerprint()
     (src / "ops.py").write_text("def f(): return 2\n")
-    assert paths.kernels_fingerprint() != first
+    second = paths.kernels_fingerprint()
+    assert second != first
+    (tmp_path / "kernels" / "types.py").write_text("Q8_0 = 9\n")
+    assert paths.kernels_fingerprint() != second
