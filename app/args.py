@@ -77,6 +77,9 @@ def _number(name: str, value, kind: type):
 
 def sampling_from_json(obj: dict, base: SamplingParams) -> SamplingParams:
     """A batch line's (or a request body's) sampling fields over `base`. BadInputError if bad."""
+    for f in OPTIONS:
+        if f not in BATCH_OPTIONS and obj.get(f.name) is not None:   # known, but not here: never ignored
+            raise BadInputError(f"{f.name} is not supported in a batch line (use kvchat run {flags(f)[-1]})")
     changes = {}
     for f in BATCH_OPTIONS:
         value = obj.get(f.name)
