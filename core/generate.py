@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from core.request import Request, check_prompt
+from core.request import Request, check_prompt, partial_match_len
 from core.sampler import Sampler
 from core.types import SamplingParams, SpeculativeConfig, TokenEvent
 from models.errors import BadInputError
@@ -178,8 +178,7 @@ def _guarded_tokens(backend: "Backend", logits: np.ndarray, sampler: Sampler,
             yield from (h.token for h in held)
             return
         # hand out the held tokens whose text can no longer start a banned string
-        keep = len(text) - max((n for b in banned for n in range(min(len(b) - 1, len(text)), 0, -1)
-                                if text.endswith(b[:n])), default=0)
+        keep = len(text) - partial_match_len(text, banned)
         released = 0
         while held and released + len(held[0].text) <= keep:
             released += len(held[0].text)

@@ -25,6 +25,13 @@ def check_prompt(prompt_ids: Sequence[int], n_ctx: int) -> None:
                             "shorten it or raise --ctx")
 
 
+def partial_match_len(text: str, strings: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `strings`: the text
+    that must be held back because more tokens could still complete one of them."""
+    return max((k for s in strings for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
 def split_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
     """Split streamed text into (safe to emit, held back, stop found). Text is held back while its
     tail could still grow into a stop string, so a stop string is never emitted, even when it
@@ -34,12 +41,7 @@ def split_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
     first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     if first >= 0:
         return text[:first], "", True
-    keep = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                keep = max(keep, k)
-                break
+    keep = partial_match_len(text, stops)
     return text[:len(text) - keep], text[len(text) - keep:], False
 
 

@@ -56,6 +56,8 @@ TRAITS: dict[int, TypeTraits] = {
     for t, (block, size) in GGML_QUANT_SIZES.items()
 }
 
+SUPPORTED = frozenset(t for t, traits in TRAITS.items() if traits.supported)   # what the native engine loads
+
 # For numba kernels: the activation type of each type id (-1: none). A global array is a constant there.
 ACT_KIND = np.full(max(TRAITS) + 1, -1, np.int64)
 for _t in TRAITS.values():

@@ -22,11 +22,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
-from kernels.types import TRAITS
+from kernels.types import SUPPORTED as SUPPORTED_TYPES
 from models.architectures import ARCHITECTURES
 from models.errors import BadInputError
-
-SUPPORTED_TYPES = frozenset(t for t, traits in TRAITS.items() if traits.supported)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 

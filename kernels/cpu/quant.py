@@ -16,11 +16,11 @@ from numba.extending import intrinsic
 
 from kernels.cpu import ops
 from kernels.cpu.ops import serial_twin
-from kernels.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TRAITS
+from kernels.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED, TRAITS
 
 # views of the type table (kernels.types): type id -> (elements per block, bytes per block), names
 GGML_BLOCK: dict[int, tuple[int, int]] = {t: (tr.block, tr.size) for t, tr in TRAITS.items()}
-SUPPORTED_TYPES: frozenset[int] = frozenset(t for t, tr in TRAITS.items() if tr.supported)
+SUPPORTED_TYPES: frozenset[int] = SUPPORTED
 TYPE_NAMES: dict[int, str] = {t: tr.name for t, tr in TRAITS.items()}
 
 # f16 bit pattern -> f32, exact by construction; 256 KiB, stays in L2 for F16 kernels.
