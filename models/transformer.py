@@ -17,9 +17,9 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from kernels.cpu import fused
-from kernels.cpu.attention import _choose_splits, exact_head_dim
-from kernels.cpu.ops import _rms_norm_serial, gelu_table
-from kernels.cpu.qdot import EXACT_TYPES, ONE_ROW, Int8Rows, Q8Row, exact_layout, matmul_into, run_arrays
+from kernels.cpu.attention import decode_plan, exact_head_dim
+from kernels.cpu.ops import gelu_table
+from kernels.cpu.qdot import EXACT_TYPES, Int8Rows, Q8Buffers, exact_layout, run_arrays
 from kernels.types import Q4_K, TRAITS
 from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
                          rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
@@ -424,79 +424,30 @@ class Block:
             self._exact_all = exact_head_dim(self.cfg.head_dim) and all(m.exact is not None for m in mats)
         return self._exact_all and self.llama_rounding and self.softmax == "llama.cpp"
 
-    def _layer_args(self, kv: KVView) -> tuple:
-        """fused.decode_layer's arguments after the tokens' own: the weights and one-row buffers
-        allocated once (rebuilt if the KV pool changes); the index of the block table; and the
-        indices of the row buffers (first axis: the rows), which decode_rows swaps for R rows."""
-        cached = getattr(self, "_args", None)
-        if cached is not None and cached[0] is kv.k_cache[self.il]:   # the pool (all sequences share it)
-            return cached[1]
-        cfg = self.cfg
-        D, hd, Hq, Hkv, F = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff
-        row_bufs: list[int] = []                                               # ids of the row buffers
-        f32 = lambda *shape: np.empty(shape, np.float32)                       # noqa: E731
-
-        def rows(*shape):                                                      # a one-row buffer
-            a = f32(1, *shape)
-            row_bufs.append(id(a))
-            return a
-
-        empty = f32(0)
-        out = lambda m: rows(TRAITS[m.ggml_type].layout_rows(m.exact))        # noqa: E731  (x8: padded rows)
-
-        def group(proj: Projections, n: int) -> list:
-            parts = [m for m, _ in proj.parts]
-            layouts = [m.exact for m in parts] + [parts[0].exact] * (n - len(parts))
-            types = np.array([m.ggml_type for m in parts] + [-1] * (n - len(parts)), np.int64)
-            outs = [out(m) for m in parts] + [rows(1)] * (n - len(parts))
-            return [*layouts, types, np.array(proj.where, np.int64), *outs]
-
-        def q8(K: int) -> list:
-            r = Q8Row(K)
-            bufs = [r.xq, r.dx0, r.sx, r.dxk, r.bs16, r.bsp]
-            row_bufs.extend(id(b) for b in bufs)
-            return bufs
-
-        opt = lambda v: v if v is not None else empty                          # noqa: E731
-        args = (np.float32(cfg.norm_eps), self.attn_norm, self.ffn_norm, opt(self.post_attn_norm),
-                opt(self.post_ffn_norm),
-                *group(self.qkv, 3),
-                opt(self.bq), opt(self.bk), opt(self.bv), opt(self.q_norm), opt(self.k_norm), cfg.rope_neox,
+    def fused_weights(self) -> fused.LayerWeights:
+        """The layer as kernels.cpu.fused.decode_layer reads it (built once)."""
+        if getattr(self, "_fused", None) is None:
+            cfg = self.cfg
+            opt = lambda v: v if v is not None else fused.NONE                 # noqa: E731
+            proj = lambda p: fused.Projection.of([(m.exact, m.ggml_type) for m, _ in p.parts], p.where)  # noqa: E731
+            self._fused = fused.LayerWeights(
+                cfg.n_head, cfg.n_head_kv, cfg.head_dim, np.float32(cfg.norm_eps),
+                self.attn_norm, proj(self.qkv), opt(self.bq), opt(self.bk), opt(self.bv),
+                opt(self.q_norm), opt(self.k_norm), cfg.rope_neox,
                 np.float32(cfg.attn_scale if cfg.scale_q else 1.0), np.float32(1.0 if cfg.scale_q else cfg.attn_scale),
-                kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16),
-                None, rows(Hq, hd), rows(Hkv, hd), rows(Hq, hd),                # None: the block table
-                self.wo.exact, self.wo.ggml_type, out(self.wo),
-                *group(self.gate_up, 2),
-                self.act is geglu_tanh, gelu_table(), rows(F),
-                self.w_down.exact, self.w_down.ggml_type, out(self.w_down), rows(D),
-                *q8(D), *q8(Hq * hd), *q8(F), *ONE_ROW)
-        table_arg = next(i for i, a in enumerate(args) if a is None)
-        row_args = [i for i, a in enumerate(args) if id(a) in row_bufs]
-        self._args = (kv.k_cache[self.il], (args, table_arg, row_args))
-        return args, table_arg, row_args
+                self.wo.exact, self.wo.ggml_type, opt(self.post_attn_norm),
+                self.ffn_norm, proj(self.gate_up), self.act is geglu_tanh, gelu_table(),
+                self.w_down.exact, self.w_down.ggml_type, opt(self.post_ffn_norm))
+        return self._fused
 
-    def decode_rows(self, x: np.ndarray, kv: KVView, pos: int, cs: np.ndarray, scratch: dict) -> np.ndarray:
-        """R tokens x (R, D) at positions pos .. pos+R-1 of one sequence, in place, each with the
-        numbers it gets alone (decode rows: a decode step, a speculative check): exactly the general
-        path's arithmetic (and bits), as one compiled call (kernels.cpu.fused.decode_layer). cs:
-        rope's cos/sin of the positions. scratch: R-row buffers by shape, shared by the layers."""
-        args, table_arg, row_args = self._layer_args(kv)
-        args = list(args)
-        args[table_arg] = kv.block_table
-        R = x.shape[0]
-        if R > 1:
-            for i in row_args:
-                shape = (R,) + args[i].shape[1:]
-                key = (i, shape, args[i].dtype.str)          # each argument its own buffer
-                if key not in scratch:
-                    scratch[key] = np.empty(shape, args[i].dtype)
-                args[i] = scratch[key]
-            args[-3:] = run_arrays([(0, R, False)])
-        n_kv = pos + 1 + np.arange(R, dtype=np.int64)
-        lo = np.maximum(0, n_kv - self.window) if self.window > 0 else np.zeros(R, np.int64)
-        bs = kv.k_cache[self.il].shape[1]
-        chunk = np.array([-(-(n - l) // _choose_splits(n - l, self.cfg.n_head_kv, bs)) for n, l in zip(n_kv, lo)], np.int64)
-        fused.decode_layer(x, pos, cs, lo, chunk, lo - lo % 32, *args)
+    def decode_rows(self, x: np.ndarray, kv: KVView, cs: np.ndarray, plan, pool: fused.RowBufferPool) -> np.ndarray:
+        """R tokens x (R, D) of one sequence, in place, each with the numbers it gets alone (decode
+        rows: a decode step, a speculative check): exactly the general path's arithmetic (and bits),
+        as one compiled call (kernels.cpu.fused.decode_layer). cs: rope's cos/sin of the positions;
+        plan: attention.decode_plan for this layer's window."""
+        w = self.fused_weights()
+        fused.decode_layer(x, cs, w, kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16),
+                           plan, pool.get(w, x.shape[0]))
         return x
 
     def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
@@ -528,7 +479,8 @@ class Decoder:
         self.output = w.matrix("output.weight") if "output.weight" in w else self.tok_embd
         self.nbytes = sum(m.nbytes for m in self._matrices())
         self.llama_rounding = True
-        self.fast_decode = True          # one-token steps through Block.decode_one (same numbers)
+        self._pool = fused.RowBufferPool()   # the fused decode layer's row buffers
+        self.fast_decode = True          # decode rows through Block.decode_rows (same numbers)
 
     def set_llama_rounding(self, on: bool) -> None:
         """True: round activations like llama.cpp (the default); False: exact float32 activations."""
@@ -582,25 +534,20 @@ class Decoder:
             x *= np.float32(self.cfg.embed_scale)
         positions = np.arange(pos, pos + R, dtype=np.int64)
         tables = {base: rope_table(positions, base, self.cfg.n_rot) for base in set(self.cfg.layer_rope_base)}
-        scratch: dict = {}
+        bs, Hkv = kv.k_cache[0].shape[1], self.cfg.n_head_kv
+        plans = {w: decode_plan(kv.block_table, pos, R, w, Hkv, bs) for w in set(self.cfg.layer_window)}
         for block in self.blocks:
-            x = block.decode_rows(x, kv, pos, tables[block.rope_base], scratch)
+            x = block.decode_rows(x, kv, tables[block.rope_base], plans[block.window], self._pool)
         if not all_logits:
             x = x[-1:]
-        h = np.empty_like(x)
-        _rms_norm_serial(x, self.output_norm, np.float32(self.cfg.norm_eps), h)
         out = self.output
         n = out.n_rows if vocab_limit is None else min(int(vocab_limit), out.n_rows)
         traits = TRAITS[out.ggml_type]
         layout = traits.layout_prefix(out.exact, n)
-        if h.shape[0] == 1:
-            row = Q8Row(self.cfg.n_embd)
-            fused.quantize_into(h, *row.args(traits.vec_dot))
-            logits = np.empty((1, traits.layout_rows(layout)), np.float32)
-            matmul_into(layout, out.ggml_type, row, logits)
-            return logits[:, :n]
-        rows = Int8Rows(h, traits.vec_dot)
-        return out.matmul_int8(rows, n, run_arrays([(0, h.shape[0], False)]))
+        logits = np.empty((x.shape[0], traits.layout_rows(layout)), np.float32)
+        fused.output_rows(x, self.output_norm, np.float32(self.cfg.norm_eps), layout, out.ggml_type,
+                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), run_arrays([(0, x.shape[0], False)]), logits)
+        return logits[:, :n]
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Several sequences in one pass (continuous batching): tokens (T,) in segment order, each

@@ -21,6 +21,8 @@ Two softmaxes:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -496,6 +498,24 @@ def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:
     want = max(1, -(-2 * threads // n_kv_heads))  # ~2 work items per thread
     most = max(1, n_keys // max(64, block_size))  # keep >= 64 keys per split
     return min(want, most)
+
+
+class DecodePlan(NamedTuple):
+    """Where R decode rows of one sequence (positions pos .. pos+R-1) look in its paged cache, for
+    one attention window: made here from the cache's geometry, read by kernels.cpu.fused."""
+    pos: int                  # the first row's position
+    lo: np.ndarray            # (R,) int64 each row's first visible key
+    chunk: np.ndarray         # (R,) int64 keys per split of its scores (the threads' work items)
+    key0: np.ndarray          # (R,) int64 where its scores start: ggml's f16 dot steps 32 keys from key 0
+    block_table: np.ndarray   # (blocks,) int32 the sequence's logical -> physical cache blocks
+
+
+def decode_plan(block_table: np.ndarray, pos: int, R: int, window: int, n_kv_heads: int, block_size: int) -> DecodePlan:
+    n_kv = pos + 1 + np.arange(R, dtype=np.int64)
+    lo = np.maximum(0, n_kv - window) if window > 0 else np.zeros(R, np.int64)
+    chunk = np.array([-(-(n - l) // _choose_splits(n - l, n_kv_heads, block_size)) for n, l in zip(n_kv, lo)],
+                     np.int64)
+    return DecodePlan(int(pos), lo, chunk, lo - lo % 32, np.ascontiguousarray(block_table, np.int32))
 
 
 def exact_head_dim(hd: int) -> bool:

@@ -23,6 +23,8 @@ weight byte once per token, a prompt reuses each unpacked weight panel for all i
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -951,41 +953,45 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
     return sig, codegen
 
 
-# --- one row into preallocated buffers (the decode step, models.transformer.Block.decode_one) ----
-ONE_ROW = run_arrays([(0, 1, False)])
+# --- rows into preallocated buffers (the fused decode layer, kernels.cpu.fused) -----------------
 
+class Q8Buffers(NamedTuple):
+    """R activation rows' quantized forms for both vec-dot types, allocated once and reused by
+    every decode step (a typed bundle for compiled code)."""
+    xq: np.ndarray       # (R, K) int8
+    dx0: np.ndarray      # (R, K/32) float32: q8_0 scales
+    sx: np.ndarray       # (R, K/4) int32: q8_0 4-group sums x 16
+    dxk: np.ndarray      # (R, max(1, K/256)) float32: q8_K scales
+    bs16: np.ndarray     # (R, K/16) int16: q8_K 16-element sums
+    bsp: np.ndarray      # (R, max(1, K/64)) int32: q8_K paired 32-element sums
 
-class Q8Row:
-    """One activation row's quantized forms for both vec-dot types, allocated once (decode)."""
-
-    def __init__(self, K: int):
-        self.K = K
-        self.xq = np.empty((1, K), np.int8)
-        self.dx0 = np.empty((1, K // 32), np.float32)
-        self.sx = np.empty((1, K // 4), np.int32)
-        self.dxk = np.empty((1, max(1, K // 256)), np.float32)
-        self.bs16 = np.empty((1, K // 16), np.int16)
-        self.bsp = np.empty((1, max(1, K // 64)), np.int32)
-
-    def args(self, kind: int):
-        """(kind, xq, dx, sx, bs16, bsp) for kernels.cpu.fused.quantize_into (kind: types.ACT_*)."""
-        return kind, self.xq, self.dx0 if kind == ACT_Q8_0 else self.dxk, self.sx, self.bs16, self.bsp
+    @staticmethod
+    def alloc(R: int, K: int) -> "Q8Buffers":
+        return Q8Buffers(np.empty((R, K), np.int8), np.empty((R, K // 32), np.float32),
+                         np.empty((R, K // 4), np.int32), np.empty((R, max(1, K // 256)), np.float32),
+                         np.empty((R, K // 16), np.int16), np.empty((R, max(1, K // 64)), np.int32))
 
 
 @njit(cache=True, error_model="numpy")
-def matmul_row(layout, ggml_type, xq, dx0, sx, dxk, bs16, bsp, run_start, run_len, run_batched, out):
-    """Quantized activation rows times an exact layout, inside compiled code (the fused decode
-    layer) or from matmul_into: the dispatch over the exact types, written once."""
-    if ggml_type == T.Q6_K:
-        _q6_k_rows(layout, xq, dxk, bs16, run_start, run_len, run_batched, out)
-    elif ggml_type == T.Q4_K:
-        _q4_k_rows(layout, xq, dxk, bsp, run_start, run_len, run_batched, out)
-    elif ggml_type == T.Q8_0:
-        _q0_x8_rows(Q8_0_KIND, layout, xq, dx0, sx, out)
+def quantize_into(h, kind, q):
+    """Quantize rows h (R, K) for a vec-dot type (kind: types.ACT_Q8_0 or ACT_Q8_K) into q (Q8Buffers)."""
+    if kind == ACT_Q8_0:
+        _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx)
     else:
-        _q0_x8_rows(Q5_0_KIND, layout, xq, dx0, sx, out)
+        _quantize_q8_k_serial(h, q.xq, q.dxk, q.bs16, q.bsp)
 
 
-def matmul_into(layout: np.ndarray, ggml_type: int, row: Q8Row, out: np.ndarray) -> None:
-    """matmul for one quantized row (its single-token arithmetic) into out (1, rows of the layout)."""
-    matmul_row(layout, ggml_type, row.xq, row.dx0, row.sx, row.dxk, row.bs16, row.bsp, *ONE_ROW, out)
+@njit(cache=True, error_model="numpy")
+def matmul_row(layout, ggml_type, q, runs, out):
+    """Quantized activation rows q (Q8Buffers) times an exact layout into out (R, rows of the
+    layout), inside compiled code: the dispatch over the exact types, written once. runs: the three
+    arrays of run_arrays."""
+    run_start, run_len, run_batched = runs
+    if ggml_type == T.Q6_K:
+        _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q4_K:
+        _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q8_0:
+        _q0_x8_rows(Q8_0_KIND, layout, q.xq, q.dx0, q.sx, out)
+    else:
+        _q0_x8_rows(Q5_0_KIND, layout, q.xq, q.dx0, q.sx, out)
