@@ -28,15 +28,15 @@ def data_dir() -> Path:
 
 
 def kernels_fingerprint() -> str:
-    """Hash of the numba kernels' sources (kernels/cpu/*.py, kernels/types.py) and numba's version. numba's own cache
+    """Hash of the numba kernels' sources (kernels/cpu/**/*.py, kernels/types.py) and numba's version. numba's own cache
     notices when the file of a compiled function changes, not when a helper it inlines from another
     module does (ops.ggml_expf inside the attention kernels): a new fingerprint is a fresh cache."""
     from importlib import metadata
 
     h = hashlib.sha256()
     kernels = Path(__file__).resolve().parent.parent / "kernels"
-    for f in [kernels / "types.py", *sorted((kernels / "cpu").glob("*.py"))]:   # types: constants they compile in
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for f in [kernels / "types.py", *sorted((kernels / "cpu").rglob("*.py"))]:   # types: constants they compile in
+        h.update(str(f.relative_to(kernels)).encode() + b"\0" + f.read_bytes())
     try:
         h.update(metadata.version("numba").encode())
     except metadata.PackageNotFoundError:

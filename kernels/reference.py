@@ -112,7 +112,7 @@ _K_QUANT_F16_FIELDS = {Q4_K: (0, 4), Q5_K: (0, 4), Q6_K: (208, 210)}  # Q4_K d+d
 
 
 # --- llama.cpp's AVX2 arithmetic, float operation for float operation --------------------------
-# What the exact kernels (kernels/cpu/qdot.py, the attention kernels) must equal bit for bit. Each
+# What the exact kernels (kernels/cpu/qdot/, the attention kernels) must equal bit for bit. Each
 # is written from llama.cpp 0.3.36's ggml-cpu sources (named in the docstrings) in plain numpy.
 
 def fma32(a, b, c):

@@ -1,7 +1,7 @@
 """Quantized matrix products: y = x @ W.T with W (N, K) in a GGML block format.
 
 Two families:
-- the exact int8 path (kernels/cpu/qdot.py; Q5_0, Q8_0, Q4_K, Q6_K on AVX2 CPUs): x is quantized
+- the exact int8 path (kernels/cpu/qdot/; Q5_0, Q8_0, Q4_K, Q6_K on AVX2 CPUs): x is quantized
   as llama.cpp's matmul quantizes it (q8_0 / q8_K) and every output gets llama.cpp's float
   operations, so the result equals llama.cpp's bit for bit. W stays as the GGUF stores it (Q4_K:
   repacked 8 rows at a time, the same bytes); one pass over W serves all rows of x.

@@ -1,6 +1,6 @@
 """LLVM vector IR for the AVX2 kernels: types, x86 intrinsics and llama.cpp's reduction trees.
 
-The kernels that must round exactly as llama.cpp's AVX2 build does (kernels/cpu/qdot.py,
+The kernels that must round exactly as llama.cpp's AVX2 build does (kernels/cpu/qdot/,
 kernels/cpu/attention.py) need shapes numba's auto-vectorizer does not produce: 8 int32 lanes of
 4-byte dot products (vpmaddubsw + vpmaddwd), fused multiply-adds in a fixed lane order, and
 horizontal sums in a fixed tree. So their hot loops are LLVM vector IR inside numba intrinsics,

@@ -25,8 +25,8 @@ def test_numba_cache_is_per_kernels_version(tmp_path, monkeypatch):
 
 
 def test_fingerprint_follows_the_kernel_sources(tmp_path, monkeypatch):
-    """A changed helper in any kernel file (not only the compiled function's own) changes it, and so
-    does the type table, whose constants the kernels compile in."""
+    """A changed helper in any kernel file (not only the compiled function's own, and in subpackages
+    too) changes it, and so does the type table, whose constants the kernels compile in."""
     src = tmp_path / "kernels" / "cpu"
     src.mkdir(parents=True)
     (src / "ops.py").write_text("def f(): return 1\n")
@@ -39,4 +39,8 @@ def test_fingerprint_follows_the_kernel_sources(tmp_path, monkeypatch):
     second = paths.kernels_fingerprint()
     assert second != first
     (tmp_path / "kernels" / "types.py").write_text("Q8_0 = 9\n")
-    assert paths.kernels_fingerprint() != second
+    third = paths.kernels_fingerprint()
+    assert third != second
+    (src / "qdot").mkdir()                                  # a kernel subpackage (kernels/cpu/qdot/)
+    (src / "qdot" / "q0.py").write_text("def g(): return 1\n")
+    assert paths.kernels_fingerprint() != third

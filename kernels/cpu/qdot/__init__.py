@@ -1,0 +1,188 @@
+"""Quantized matrix products that round exactly as llama.cpp's AVX2 build does.
+
+llama.cpp never multiplies a quantized weight by a float activation: it quantizes the activation
+row (q8_0 for Q5_0/Q8_0 weights, q8_K for the K-quants), takes exact integer dot products, and
+folds them into float32 accumulators with fused multiply-adds. Which integers are summed before
+each float step depends on the kernel it picks, so we reproduce each one (read from llama.cpp
+0.3.36's ggml-cpu sources; the numpy models in kernels/reference.py say the same in plain code):
+
+- Q8_0 / Q5_0 (ggml_vec_dot_q*_q8_0 for one row, tinyBLAS_Q0_AVX for more; the same numbers):
+  per output 8 float lanes; lane k of block b gets fma(d_w*d_x, sum of the 4 products at 4k..4k+3);
+  at the end hsum_float_8.
+- Q4_K (weights repacked 8 rows at a time, ggml_gemv/gemm_q4_K_8x8_q8_K): per output
+  acc += float(sum_j sc_j*dot_j) * (d_w*d_x), acc_min += float(sum_j mn_j*bsum_j) * (dmin_w*d_x),
+  result acc - acc_min; gemv does one step per 256-element super-block, gemm (rows in groups of 4
+  when there are more than 3) one per pair of 32-element sub-blocks.
+- Q6_K: fewer than 8 rows: ggml_vec_dot_q6_K_q8_K (8 lanes per super-block, hsum_float_8);
+  8 rows or more: the tiled kernel (one exact integer per super-block, d_w*float(S), then
+  out = fma(that, d_x, out)).
+
+Each kernel here gives every output exactly those float operations, so the results equal
+llama.cpp's bit for bit while the work is organised for this machine: decode streams every
+weight byte once per token, a prompt reuses each unpacked weight panel for all its rows.
+
+One module per type family (q0: Q8_0 and Q5_0, q4_k, q6_k) and one for the activations (act);
+this one holds what every family shares: the layouts' builder, the run arrays, and the dispatch
+(matmul from Python, matmul_row inside compiled code).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from kernels import types as T
+from kernels.cpu.qdot.act import _quantize_q8_0_serial, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k
+from kernels.cpu.qdot.common import NB_PAD
+from kernels.cpu.qdot.q0 import (PANEL_MR, Q5_0_KIND, Q8_0_KIND, _bias_groups, _q0_x8_rows, _q5_0_prompt, q0_kind,
+                                 repack_q0_x8)
+from kernels.cpu.qdot.q4_k import _q4_k_rows, repack_q4_k_x8
+from kernels.cpu.qdot.q6_k import _q6_k_rows
+from kernels.cpu.simd import HAS_AVX2
+from kernels.types import ACT_Q8_0, ACT_Q8_K, TRAITS
+
+
+class Int8Rows:
+    """Activation rows quantized once for one vec-dot type (types.ACT_Q8_0 or ACT_Q8_K) and shared by
+    every matrix that reads the same x (q/k/v, gate/up); the kernel-specific forms are derived on demand."""
+
+    def __init__(self, x: np.ndarray, kind: int):
+        x = np.ascontiguousarray(x, np.float32)
+        self.kind = kind
+        if kind == ACT_Q8_0:
+            self.xq, self.dx, self.sx = quantize_q8_0(x)
+        elif kind == ACT_Q8_K:
+            self.xq, self.dx, self.bs16, self.bsp = quantize_q8_k(x)
+        else:
+            raise ValueError(f"unknown activation type {kind!r}")
+        self._derived: dict = {}
+
+    @property
+    def n_rows(self) -> int:
+        return self.xq.shape[0]
+
+    def biased_groups(self):
+        """(xb, dxb) for the Q5_0 panel kernel (see _bias_groups)."""
+        if "biased" not in self._derived:
+            M, K = self.xq.shape
+            G = -(-M // PANEL_MR)
+            nbp = -(-(K // 32) // NB_PAD) * NB_PAD
+            xb = np.empty((G, K // 32, PANEL_MR, 32), np.uint8)
+            dxb = np.empty((G, PANEL_MR, nbp), np.float32)
+            _bias_groups(self.xq, self.dx, PANEL_MR, xb, dxb)
+            self._derived["biased"] = (xb, dxb)
+        return self._derived["biased"]
+
+
+# From this many activation rows on, Q5_0 goes through the unpacked panel kernel (below it the
+# multi-row x8 kernel is faster; README: measured).
+Q5_0_PANEL_MIN_ROWS = 48
+EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 else frozenset()
+
+
+def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> np.ndarray | None:
+    """The weights as the exact kernels read them, 8 rows interleaved (the same bytes as GGUF): Q8_0 and
+    Q5_0 padded to a multiple of 8 rows, Q4_K only if it has one (llama.cpp does not repack such a
+    matrix either, and its other kernel is not reproduced here), Q6_K rows in place; None where no
+    exact kernel applies."""
+    if ggml_type not in EXACT_TYPES:
+        return None
+    if ggml_type == T.Q4_K:
+        return repack_q4_k_x8(raw, n_cols) if n_rows % 8 == 0 else None
+    if not TRAITS[ggml_type].x8:
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
+    return repack_q0_x8(raw, ggml_type, n_cols)
+
+
+
+def run_arrays(runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[(start, length, batched)] -> the three arrays the drivers take. Adjacent runs whose rows all
+    get the single-token arithmetic (unbatched, or a batch of one) become one run, so that they share
+    one pass over W (32 decoding sequences: one pass, not 32)."""
+    merged: list[list] = []
+    for start, n, batched in runs:
+        single = not batched or n == 1
+        if merged and single and not merged[-1][2] and merged[-1][0] + merged[-1][1] == start:
+            merged[-1][1] += n
+        else:
+            merged.append([start, n, not single])
+    return (np.array([r[0] for r in merged], np.int64), np.array([r[1] for r in merged], np.int64),
+            np.array([r[2] for r in merged], np.bool_))
+
+
+def _run_arrays(runs, M: int):
+    if isinstance(runs, tuple) and len(runs) == 3 and isinstance(runs[0], np.ndarray):
+        return runs                                       # prebuilt (models.transformer.RowPlan)
+    if runs is None:
+        runs = [(0, M, True)]
+    starts, lens, batched = run_arrays(runs)
+    if lens.sum() != M:
+        raise ValueError(f"runs cover {lens.sum()} rows, the activation has {M}")
+    return starts, lens, batched
+
+
+def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=None) -> np.ndarray:
+    """rows (M, K) @ W.T -> (M, n_out) float32 for the first n_out rows of W, llama.cpp's numbers bit
+    for bit. W is read once per call for all M rows. runs: [(start, length, batched)] covering the
+    rows (default: one batched run); llama.cpp picks its Q4_K and Q6_K arithmetic by the size of the
+    batch it is given, so a batched run gets the arithmetic of a llama.cpp batch of its length and a
+    one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
+    M = rows.n_rows
+    traits = TRAITS[ggml_type]
+    w = traits.layout_prefix(layout, n_out)                     # the rows (or 8-row groups) needed
+    out = np.empty((M, traits.layout_rows(w)), np.float32)
+    if ggml_type == T.Q6_K:
+        _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
+    elif ggml_type == T.Q4_K:
+        _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
+    elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
+        xb, dxb = rows.biased_groups()
+        _q5_0_prompt(w, xb, dxb, M, out)
+    else:
+        _q0_x8_rows(q0_kind(ggml_type), w, rows.xq, rows.dx, rows.sx, out)
+    return out if out.shape[1] == n_out else out[:, :n_out]
+
+
+# --- rows into preallocated buffers (the fused decode layer, kernels.cpu.fused) -----------------
+
+class Q8Buffers(NamedTuple):
+    """R activation rows' quantized forms for both vec-dot types, allocated once and reused by
+    every decode step (a typed bundle for compiled code)."""
+    xq: np.ndarray       # (R, K) int8
+    dx0: np.ndarray      # (R, K/32) float32: q8_0 scales
+    sx: np.ndarray       # (R, K/4) int32: q8_0 4-group sums x 16
+    dxk: np.ndarray      # (R, max(1, K/256)) float32: q8_K scales
+    bs16: np.ndarray     # (R, K/16) int16: q8_K 16-element sums
+    bsp: np.ndarray      # (R, max(1, K/64)) int32: q8_K paired 32-element sums
+
+    @staticmethod
+    def alloc(R: int, K: int) -> "Q8Buffers":
+        return Q8Buffers(np.empty((R, K), np.int8), np.empty((R, K // 32), np.float32),
+                         np.empty((R, K // 4), np.int32), np.empty((R, max(1, K // 256)), np.float32),
+                         np.empty((R, K // 16), np.int16), np.empty((R, max(1, K // 64)), np.int32))
+
+
+@njit(cache=True, error_model="numpy")
+def quantize_into(h, kind, q):
+    """Quantize rows h (R, K) for a vec-dot type (kind: types.ACT_Q8_0 or ACT_Q8_K) into q (Q8Buffers)."""
+    if kind == ACT_Q8_0:
+        _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx)
+    else:
+        _quantize_q8_k_serial(h, q.xq, q.dxk, q.bs16, q.bsp)
+
+
+@njit(cache=True, error_model="numpy")
+def matmul_row(layout, ggml_type, q, runs, out):
+    """Quantized activation rows q (Q8Buffers) times an exact layout into out (R, rows of the
+    layout), inside compiled code: the dispatch over the exact types, written once. runs: the three
+    arrays of run_arrays."""
+    run_start, run_len, run_batched = runs
+    if ggml_type == T.Q6_K:
+        _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q4_K:
+        _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q8_0:
+        _q0_x8_rows(Q8_0_KIND, layout, q.xq, q.dx0, q.sx, out)
+    else:
+        _q0_x8_rows(Q5_0_KIND, layout, q.xq, q.dx0, q.sx, out)

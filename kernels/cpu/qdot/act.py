@@ -1,0 +1,101 @@
+"""Activation rows quantized as llama.cpp's matmul quantizes them: q8_0 (for Q8_0 and Q5_0
+weights) and q8_K (for the K-quants), with the sums the kernels' offsets need."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.cpu.ops import f16_bits, f16_value, serial_twin
+
+# --- activation rows, quantized as llama.cpp's matmul quantizes them ------------------------------
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _rint_small(v):
+    """Round half to even for |v| < 2**22, as _mm256_round_ps / nearest_int do (adding and taking
+    away 1.5 * 2**23 rounds the float32 sum; no libm call, so the loops vectorize). Callers are
+    compiled without fastmath, so the two additions stay."""
+    return (v + np.float32(12582912.0)) - np.float32(12582912.0)
+
+
+@njit(fastmath=True, cache=True, error_model="numpy")
+def _absmax(x, m, lo, n):
+    """max |x[m, lo:lo+n]|: the same in any order (activations hold no NaN)."""
+    a = np.float32(0.0)
+    for i in range(lo, lo + n):
+        a = max(a, abs(x[m, i]))
+    return a
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_q8_0(x, xq, dx, sx):
+    """quantize_row_q8_0 (AVX2): per 32 elements d = f16(amax / 127), q = round(x * (127 / amax));
+    sx: 16 x the sum of every 4 q (the Q5_0 x8 kernel's offset)."""
+    for m in prange(x.shape[0]):
+        for b in range(dx.shape[1]):
+            amax = _absmax(x, m, b * 32, 32)
+            idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for i in range(32):
+                xq[m, b * 32 + i] = np.int32(_rint_small(x[m, b * 32 + i] * idv))
+            dx[m, b] = f16_value(f16_bits(amax / np.float32(127.0)))
+            for k in range(8):
+                i = b * 32 + 4 * k
+                sx[m, b * 8 + k] = 16 * (np.int32(xq[m, i]) + np.int32(xq[m, i + 1]) + np.int32(xq[m, i + 2]) +
+                                         np.int32(xq[m, i + 3]))
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_q8_k(x, xq, dx, bs16, bsp):
+    """quantize_row_q8_K_ref: per 256 elements the first value of largest magnitude, vmax, maps to
+    -127 (iscale = -127 / vmax, q = min(127, round(iscale * x)), d = 1 / iscale); bs16: 16-element
+    sums of q. (The 4-row quantizer of the Q4_K gemm breaks +-vmax ties the other way; that flips the
+    signs of q and d together and leaves every product unchanged.)"""
+    for m in prange(x.shape[0]):
+        for b in range(dx.shape[1]):
+            amax = np.float32(0.0)
+            vmax = np.float32(0.0)
+            for i in range(256):
+                v = x[m, b * 256 + i]
+                if abs(v) > amax:
+                    amax = abs(v)
+                    vmax = v
+            if amax == 0:
+                dx[m, b] = 0.0
+                for i in range(256):
+                    xq[m, b * 256 + i] = 0
+            else:
+                iscale = np.float32(-127.0) / vmax
+                for i in range(256):
+                    xq[m, b * 256 + i] = min(127, np.int32(_rint_small(iscale * x[m, b * 256 + i])))
+                dx[m, b] = np.float32(1.0) / iscale
+            for j in range(16):
+                s = np.int32(0)
+                for i in range(16):
+                    s += np.int32(xq[m, b * 256 + 16 * j + i])
+                bs16[m, b * 16 + j] = s
+            for c in range(4):                  # per 64 elements the two 32-sums as two int16 (Q4_K)
+                lo = np.int32(bs16[m, b * 16 + 4 * c]) + np.int32(bs16[m, b * 16 + 4 * c + 1])
+                hi = np.int32(bs16[m, b * 16 + 4 * c + 2]) + np.int32(bs16[m, b * 16 + 4 * c + 3])
+                bsp[m, b * 4 + c] = (lo & 0xFFFF) | (hi << 16)
+
+
+_quantize_q8_0_serial = serial_twin(_quantize_q8_0)
+_quantize_q8_k_serial = serial_twin(_quantize_q8_k)
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/32) float32 holding f16 values,
+    16 x the 4-element group sums (M, K/4) int32)."""
+    M, K = x.shape
+    xq, dx, sx = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 4), np.int32)
+    (_quantize_q8_0 if M > 1 else _quantize_q8_0_serial)(x, xq, dx, sx)
+    return xq, dx, sx
+
+
+def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/256) float32, 16-element sums (M, K/16) int16,
+    per 64 elements the two 32-element sums as two int16 in an int32 (M, K/64))."""
+    M, K = x.shape
+    xq, dx = np.empty((M, K), np.int8), np.empty((M, K // 256), np.float32)
+    bs16, bsp = np.empty((M, K // 16), np.int16), np.empty((M, K // 64), np.int32)
+    (_quantize_q8_k if M > 1 else _quantize_q8_k_serial)(x, xq, dx, bs16, bsp)
+    return xq, dx, bs16, bsp
