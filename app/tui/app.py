@@ -4,94 +4,45 @@ an Inference X-ray panel.
 Processes: a model the app loads runs in a child process (core.engine_process.EngineProcess), so
 the engine's Python never queues behind Textual's on the GIL; an Engine handed in runs in-process.
 Threading: the engine is driven from a Textual thread worker. That thread never touches a widget; it
-posts small dataclass Messages (ResponseStarted, TokenArrived, ResponseDone, ResponseFailed,
-ModelProgress, ModelLoaded, ModelFailed) that the UI handles with @on. Token text is batched in the
+posts small dataclass Messages (app.tui.events) that the UI handles with @on. Token text is batched in the
 worker (at most 10 posts a second) and MarkdownStream coalesces whatever still arrives faster than
 it renders. What a message does to the conversation (send, edit, regenerate, trimming, the reply's
 history) is core.chat_session's: this module renders the session and sends it intents.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message
-from textual.widgets import Footer, Label, ProgressBar
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer
 from textual.worker import get_current_worker
 
-from app.tui.screens.dialogs import ConfirmScreen, PromptScreen
-from app.tui.screens.help import HelpScreen
-from app.tui.screens.model import ModelScreen
-from app.tui.screens.settings import SettingsScreen
+from app.tui.actions import ChatActions
+from app.tui.events import (ModelFailed, ModelLoaded, ModelProgress, ResponseDone, ResponseFailed, ResponseStarted,
+                            TokenArrived)
 from app.tui.widgets.chat_input import ChatInput
-from app.tui.widgets.messages import AssistantMessage, EarlierMessages, MessageBox, UserMessage, code_blocks
+from app.tui.widgets.chat_view import ChatView
+from app.tui.widgets.messages import AssistantMessage, UserMessage
+from app.tui.widgets.model_loading import ModelLoading
 from app.tui.widgets.sidebar import Sidebar
-from app.tui.widgets.stats import StatusBar, XRayPanel, status_line
+from app.tui.widgets.stats import StatusBar, XRayPanel, speculative_text, status_line
 from core.chat_session import ChatSession, Reply
 from core.history import History
 from core.types import SamplingParams
 from models.errors import BadInputError
 
+__all__ = ["KvChatApp", "TokenArrived", "run_tui"]
+
 TOKEN_BATCH_S = 0.1        # the worker posts streamed text at most 10 times a second (each post re-lays out the chat)
 STATS_REFRESH_S = 0.25
-# Messages mounted in the chat view; older ones stay in the history behind an "earlier messages"
-# line. Every layout pass of a streaming reply walks all mounted widgets (a Markdown reply is one
-# widget per block), so many mounted messages slow decoding in the chat to a crawl (README: measured).
-SHOWN_MESSAGES = 30
 
 
-# --- messages from worker threads ----------------------------------------------------------
-@dataclass
-class ResponseStarted(Message):
-    reply_id: int
-
-
-@dataclass
-class TokenArrived(Message):
-    reply_id: int
-    text: str
-
-
-@dataclass
-class ResponseDone(Message):
-    reply_id: int
-    status: str            # complete | stopped
-    finish_reason: str
-    summary: str
-
-
-@dataclass
-class ResponseFailed(Message):
-    reply_id: int
-    error: str
-
-
-@dataclass
-class ModelProgress(Message):
-    stage: str
-    done: int
-    total: int
-
-
-@dataclass
-class ModelLoaded(Message):
-    engine: object
-
-
-@dataclass
-class ModelFailed(Message):
-    spec: str
-    error: str
-
-
-class KvChatApp(App):
+class KvChatApp(ChatActions, App):
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
     BINDINGS = [
@@ -116,12 +67,12 @@ class KvChatApp(App):
     ]
 
     def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
-                 threads: int | None = None, engine=None, db_path=None, speculative=None):
+                 threads: int | None = None, engine=None, db_path=None, speculative=None, device: str = "auto"):
         super().__init__()
         from core.engine import DEFAULT_CTX
         from models.registry import DEFAULT_MODEL
         self.model_spec = model or (engine.model_name if engine is not None else DEFAULT_MODEL)
-        self.backend_pref = backend
+        self.backend_pref, self.device_pref = backend, device
         self.n_ctx = n_ctx or DEFAULT_CTX
         self.threads = threads
         self.speculative = speculative             # core.types.SpeculativeConfig or None
@@ -155,17 +106,15 @@ class KvChatApp(App):
         with Horizontal(id="main"):
             yield Sidebar(id="sidebar")
             with Vertical(id="chat"):
-                yield VerticalScroll(id="messages")
-                with Horizontal(id="model-loading"):
-                    yield Label("", id="model-stage", markup=False)
-                    yield ProgressBar(id="model-progress", show_eta=False)
+                yield ChatView(id="messages")
+                yield ModelLoading(id="model-loading")
                 yield ChatInput(id="input")
             yield XRayPanel(id="xray")
         yield StatusBar("", id="status", markup=False)
         yield Footer(compact=True, show_command_palette=False)  # ctrl+p still opens it
 
     async def on_mount(self) -> None:
-        self.query_one("#messages", VerticalScroll).anchor()
+        self.query_one(ChatView).anchor()
         self.stats_timer = self.set_interval(STATS_REFRESH_S, self.refresh_stats, pause=True)
         conversations = self.history.list_conversations()
         if conversations:
@@ -191,42 +140,8 @@ class KvChatApp(App):
 
     async def open_conversation(self, conversation_id: int | None, show_all: bool = False) -> None:
         messages = self.session.open(conversation_id)
-        view = self.query_one("#messages", VerticalScroll)
-        await view.remove_children()
-        if conversation_id is not None:
-            hidden = 0 if show_all else max(0, len(messages) - SHOWN_MESSAGES)
-            widgets: list = [EarlierMessages(hidden)] if hidden else []
-            widgets += [self.message_widget(m) for m in messages[hidden:]]
-            await view.mount_all(widgets)
-            view.anchor()
+        await self.query_one(ChatView).show(messages if conversation_id is not None else [], show_all)
         await self.refresh_sidebar()
-
-    async def trim_view(self) -> None:
-        """Unmount the oldest messages once well over SHOWN_MESSAGES are mounted (they stay in the
-        history; the "earlier messages" line counts them)."""
-        view = self.query_one("#messages", VerticalScroll)
-        boxes = list(view.query(MessageBox))
-        if len(boxes) <= SHOWN_MESSAGES + 10:
-            return
-        drop = boxes[:len(boxes) - SHOWN_MESSAGES]
-        notices = list(view.query(EarlierMessages))
-        hidden = (notices[0].n_hidden if notices else 0) + len(drop)
-        await view.remove_children(drop + notices)
-        await view.mount(EarlierMessages(hidden), before=0)
-
-    async def action_show_earlier(self) -> None:
-        if self.conversation_id is None or not self.query(EarlierMessages):
-            return
-        if self.generating:
-            self.notify("Earlier messages show once the reply is done", severity="warning")
-            return
-        await self.open_conversation(self.conversation_id, show_all=True)
-
-    def message_widget(self, m) -> MessageBox:
-        if m.role == "user":
-            return UserMessage(m.content, m.id)
-        note = m.timings.get("error", "") if m.status == "error" else ""
-        return AssistantMessage(m.content, m.id, m.status, model=m.model, note=note)
 
     @on(Sidebar.Selected)
     async def on_sidebar_selected(self, event: Sidebar.Selected) -> None:
@@ -255,16 +170,11 @@ class KvChatApp(App):
             else:
                 self.notify("No model loaded: pick one with f5", severity="warning")
             return
-        view = self.query_one("#messages", VerticalScroll)
+        view = self.query_one(ChatView)
         message_id, dropped = self.session.send(text, self.engine.model_name)
-        if dropped is not None:                       # an edit: the old message and what followed go
-            for box in list(view.query(MessageBox)):
-                if box.message_id is not None and box.message_id >= dropped:
-                    await box.remove()
+        await view.remove_from(dropped)               # an edit: the old message and what followed go
         self.query_one(ChatInput).clear()
-        await view.mount(UserMessage(text, message_id))
-        await self.trim_view()
-        view.anchor()
+        await view.add(UserMessage(text, message_id))
         await self.start_reply()
         await self.refresh_sidebar()
 
@@ -281,9 +191,7 @@ class KvChatApp(App):
         if reply.truncated:
             self.notify("The oldest turns no longer fit the context: this reply does not see them")
         self.reply_widget = AssistantMessage("", reply.id, "streaming", model=engine.model_name)
-        view = self.query_one("#messages", VerticalScroll)
-        await view.mount(self.reply_widget)
-        view.anchor()
+        await self.query_one(ChatView).add(self.reply_widget)
         self.generating = True
         self.generated_once = True
         self.cancel_event = threading.Event()
@@ -357,55 +265,27 @@ class KvChatApp(App):
 
     # --- stats -----------------------------------------------------------------------------
     def refresh_stats(self, queued: bool = False) -> None:
-        engine = self.engine
-        status = self.query_one(StatusBar)
-        xray = self.query_one(XRayPanel)
+        engine, status, xray = self.engine, self.query_one(StatusBar), self.query_one(XRayPanel)
         if engine is None:
-            queued = " | queued: 1 message" if self.queued_text is not None else ""
-            status.update((f"{self.model_spec} · loading…" if self.loading_model else f"{self.model_spec} · no model")
-                          + queued)
+            status.show_no_engine(self.model_spec, bool(self.loading_model), self.queued_text is not None)
             xray.show(None, None)
-            return
-        backend = engine.backend
-        if not self.generated_once:   # nothing measured in this session yet
-            status.update(f"{engine.model_name} · {engine.backend_name} · ctx {engine.n_ctx} · ready")
-            return
-        line = status_line(engine.model_name, engine.backend_name, backend.stats, backend.timings,
-                           self.generating)
-        status.update(line + (" | queued" if queued else ""))
-        if xray.display:
-            xray.show(backend.stats, backend.kv_block_map(), queued, self.speculative_text(backend))
+        elif not self.generated_once:   # nothing measured in this session yet
+            status.update(f"{engine.model_name} · {engine.backend_name} on {engine.device} · ctx {engine.n_ctx} · ready")
+        else:
+            backend = engine.backend
+            status.update(status_line(engine.model_name, engine.backend_name, backend.stats, backend.timings,
+                                      self.generating) + (" | queued" if queued else ""))
+            if xray.display:
+                xray.show(backend.stats, backend.kv_block_map(), queued, speculative_text(self.speculative, backend))
 
     # --- models ----------------------------------------------------------------------------
-    @work(thread=True, exclusive=True, group="model")
     def load_model(self, spec: str) -> None:
-        """Loads into a child process (core.engine_process): the engine's Python then never waits
-        for Textual's rendering on the GIL."""
-        from core.engine_process import EngineProcess
-        last = [0.0]
-
-        def progress(stage: str, done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] >= 0.1 or done >= total:
-                last[0] = now
-                self.post_message(ModelProgress(stage, done, total))
-
-        self.post_message(ModelProgress(f"loading {spec}", 0, 0))
-        try:
-            engine = EngineProcess(spec, backend=self.backend_pref or (self.engine.backend_name if self.engine else None),
-                            n_ctx=self.n_ctx, threads=self.threads, progress=progress, backend_progress=progress)
-        except Exception as e:   # noqa: BLE001 - a bad file must not take the app down
-            self.post_message(ModelFailed(spec, str(e) or type(e).__name__))
-            return
-        self.post_message(ModelLoaded(engine))
+        backend = self.backend_pref or (self.engine.backend_name if self.engine else None)
+        self.query_one(ModelLoading).load(spec, backend, self.n_ctx, self.threads, self.device_pref)
 
     @on(ModelProgress)
     def on_model_progress(self, event: ModelProgress) -> None:
-        box = self.query_one("#model-loading")
-        box.display = True
-        self.query_one("#model-stage", Label).update(event.stage)
-        bar = self.query_one("#model-progress", ProgressBar)
-        bar.update(total=event.total or None, progress=event.done)
+        self.query_one(ModelLoading).show_progress(event)
         self.refresh_stats()
 
     @on(ModelLoaded)
@@ -435,17 +315,6 @@ class KvChatApp(App):
                     timeout=10)
         self.refresh_stats()
 
-    def action_switch_model(self) -> None:
-        if self.generating:
-            self.notify("Stop the reply first (esc)", severity="warning")
-            return
-
-        def chosen(spec: str | None) -> None:
-            if spec:
-                self.loading_model = spec
-                self.load_model(spec)
-        self.push_screen(ModelScreen(self.engine.model_name if self.engine else self.model_spec), chosen)
-
     # --- actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
         if self.generating:
@@ -455,140 +324,11 @@ class KvChatApp(App):
             self.query_one(ChatInput).clear()
             self.notify("Edit cancelled")
 
-    async def action_new_chat(self) -> None:
-        if self.generating:
-            self.notify("Stop the reply first (esc)", severity="warning")
-            return
-        await self.open_conversation(None)
-        self.query_one(ChatInput).focus()
-
     async def action_regenerate(self) -> None:
         if self.generating or self.engine is None or self.conversation_id is None:
             return
-        dropped = self.session.drop_last_reply()
-        for box in self.query(AssistantMessage):
-            if dropped is not None and box.message_id == dropped:
-                await box.remove()
+        await self.query_one(ChatView).remove_from(self.session.drop_last_reply(), only=True)
         await self.start_reply()
-
-    def action_edit_last(self) -> None:
-        if self.generating or self.conversation_id is None:
-            return
-        text = self.session.start_edit()
-        if text is None:
-            return
-        box = self.query_one(ChatInput)
-        box.text = text
-        box.focus()
-        self.notify("Editing your last message: enter resends it, esc cancels")
-
-    def action_rename_chat(self) -> None:
-        if self.conversation_id is None:
-            self.notify("Nothing to rename yet: send a message first")
-            return
-        conv = self.history.get_conversation(self.conversation_id)
-
-        async def renamed(title: str | None) -> None:
-            if title and title.strip():
-                self.session.rename(title)
-                await self.refresh_sidebar()
-        self.push_screen(PromptScreen("Rename chat", conv.title), renamed)
-
-    def action_delete_chat(self) -> None:
-        if self.conversation_id is None or self.generating:
-            return
-        conv = self.history.get_conversation(self.conversation_id)
-
-        async def confirmed(yes: bool | None) -> None:
-            if yes:
-                await self.open_conversation(self.session.delete())
-                self.notify(f"Deleted '{conv.title}'")
-        self.push_screen(ConfirmScreen(f"Delete the chat '{conv.title}' and all its messages?"), confirmed)
-
-    def action_system_prompt(self) -> None:
-        current = self.session.system_prompt()
-
-        def saved(text: str | None) -> None:
-            if text is None:
-                return
-            self.session.set_system_prompt(text)
-            self.notify("System prompt saved" + ("" if self.engine is None or self.engine.has_chat_template
-                                                 else " (this model has no chat template: it is prepended as text)"))
-        self.push_screen(PromptScreen("System prompt for this chat", current, multiline=True), saved)
-
-    def action_settings(self) -> None:
-        def saved(params: SamplingParams | None) -> None:
-            if params is None:
-                return
-            self.session.set_params(params)
-            self.notify("Settings saved")
-        self.push_screen(SettingsScreen(self.params), saved)
-
-    def action_toggle_xray(self) -> None:
-        xray = self.query_one(XRayPanel)
-        xray.display = not xray.display
-        if xray.display:
-            if self.engine is not None and self.generated_once:
-                xray.show(self.engine.backend.stats, self.engine.backend.kv_block_map(), False,
-                          self.speculative_text(self.engine.backend))
-            else:
-                xray.show(None if self.engine is None else dataclasses.replace(self.engine.backend.stats,
-                          phase="idle", token_latencies_ms=[], cache_n=0, n_past=0), None)
-
-    def speculative_text(self, backend) -> str:
-        """The X-ray's speculative line: method and acceptance of the last reply."""
-        spec = self.speculative
-        if spec is None or spec.method == "off":
-            return "speculative: off"
-        if not backend.capabilities.speculative:
-            return f"speculative {spec.method}\nneeds the native backend"
-        stats = backend.stats
-        if not stats.spec_drafted:
-            return f"speculative {spec.method}\nno drafts yet"
-        return (f"speculative {spec.method}\n{stats.spec_accepted}/{stats.spec_drafted} drafts accepted "
-                f"({100 * stats.spec_accepted / stats.spec_drafted:.0f}%)")
-
-    def action_toggle_sidebar(self) -> None:
-        sidebar = self.query_one(Sidebar)
-        sidebar.display = not sidebar.display
-
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
-
-    def action_toggle_theme(self) -> None:
-        self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
-
-    def target_reply(self) -> AssistantMessage | None:
-        focused = self.focused
-        if isinstance(focused, AssistantMessage):
-            return focused
-        replies = list(self.query(AssistantMessage))
-        return replies[-1] if replies else None
-
-    def action_copy_reply(self) -> None:
-        reply = self.target_reply()
-        if reply is None or not reply.content:
-            self.notify("No reply to copy")
-            return
-        self.copy_to_clipboard(reply.content)
-        self.notify(f"Copied the reply ({len(reply.content)} characters)")
-
-    def action_copy_code(self) -> None:
-        reply = self.target_reply()
-        blocks = code_blocks(reply.content) if reply is not None else []
-        if not blocks:
-            self.notify("No code block in the reply")
-            return
-        self.copy_to_clipboard(blocks[-1])
-        self.notify(f"Copied the code block ({len(blocks[-1].splitlines())} lines)")
-
-    def action_export_chat(self) -> None:
-        if self.conversation_id is None:
-            self.notify("Nothing to export yet")
-            return
-        path = self.session.export(self.history.path.parent / "exports")
-        self.notify(f"Exported to {path}", timeout=8)
 
 
 def run_tui(args) -> int:
@@ -596,6 +336,6 @@ def run_tui(args) -> int:
     from core.types import SpeculativeConfig
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
     app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,
-                    speculative=speculative)
+                    speculative=speculative, device=args.device)
     app.run()
     return 0

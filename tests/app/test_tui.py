@@ -128,7 +128,7 @@ async def test_long_chat_mounts_only_recent_messages(engine, tmp_path, monkeypat
     """A long chat mounts its last SHOWN_MESSAGES messages behind an "earlier messages" line (every
     layout pass of a streaming reply walks the mounted widgets); f6 shows them all; sending trims
     the view again once it is well over the limit. Nothing leaves the history."""
-    import app.tui.app as tui
+    import app.tui.widgets.chat_view as tui
     from app.tui.widgets.messages import EarlierMessages, MessageBox
     db = tmp_path / "h.db"
     h = History(db)

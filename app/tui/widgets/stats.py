@@ -35,7 +35,9 @@ def phase_text(stats: LiveStats, queued: bool = False) -> str:
 
 
 class StatusBar(Static):
-    pass
+
+    def show_no_engine(self, model: str, loading: bool, queued: bool) -> None:
+        self.update(f"{model} · {'loading…' if loading else 'no model'}" + (" | queued: 1 message" if queued else ""))
 
 
 class XRayPanel(Vertical):
@@ -81,3 +83,16 @@ class XRayPanel(Vertical):
         counts = {s: block_map.count(s) for s in ("used", "shared", "free")}
         text.append(f"\nused {counts['used']} · shared {counts['shared']} · free {counts['free']}")
         return text
+
+
+def speculative_text(spec, backend) -> str:
+    """The X-ray's speculative line: method and acceptance of the last reply (spec: SpeculativeConfig)."""
+    if spec is None or spec.method == "off":
+        return "speculative: off"
+    if not backend.capabilities.speculative:
+        return f"speculative {spec.method}\nneeds the native backend"
+    stats = backend.stats
+    if not stats.spec_drafted:
+        return f"speculative {spec.method}\nno drafts yet"
+    return (f"speculative {spec.method}\n{stats.spec_accepted}/{stats.spec_drafted} drafts accepted "
+            f"({100 * stats.spec_accepted / stats.spec_drafted:.0f}%)")
