@@ -29,11 +29,14 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from core.engine import BACKEND_NAMES, DEFAULT_CTX
+    from core.engine import BACKEND_NAMES, DEFAULT_CTX, DEVICE_NAMES
     from models.registry import DEFAULT_MODEL
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
     p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
-                   help="inference engine (default: native, kvchat's own)")
+                   help="inference engine (default: native, kvchat's own CPU engine; torch: its GPU engine)")
+    p.add_argument("--device", choices=DEVICE_NAMES, default="auto",
+                   help="auto: CUDA when there is a GPU, else the CPU; cuda: the torch engine on the GPU; "
+                        "cpu: the CPU (--backend torch --device cpu runs the GPU engine in Triton's interpreter)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default: {DEFAULT_CTX})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
@@ -179,7 +182,7 @@ def load_engine(args, model: str | None = None):
     from core.engine import Engine
     with stderr_progress() as progress:
         return Engine(model or args.model, backend=getattr(args, "backend", None), n_ctx=args.ctx,
-                      threads=args.threads, progress=progress)
+                      threads=args.threads, progress=progress, device=getattr(args, "device", "auto"))
 
 
 def cmd_run(args) -> int:

@@ -18,7 +18,8 @@ from models import registry
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile, open_model
 
-BACKEND_NAMES = ("native", "llama.cpp")
+BACKEND_NAMES = ("native", "llama.cpp", "torch")
+DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEFAULT_CTX = 4096
 
 
@@ -31,8 +32,41 @@ def default_backend() -> str:
     return DEFAULT_BACKEND
 
 
+def cuda_available() -> bool:
+    """A CUDA device torch can use. Without an NVIDIA driver this does not import torch (seconds)."""
+    if not os.path.exists("/proc/driver/nvidia/version") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pick_backend(backend: str | None, device: str) -> tuple[str, str]:
+    """(backend, device) for --backend and --device: the torch engine runs on CUDA (or, named
+    with --device cpu, on the CPU under Triton's interpreter); the others run on the CPU. auto
+    takes CUDA when there is one and no CPU-only backend was named."""
+    if device not in DEVICE_NAMES:
+        raise BadInputError(f"unknown device '{device}' (choose from {', '.join(DEVICE_NAMES)})")
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise BadInputError(f"unknown backend '{backend}' (choose from {', '.join(BACKEND_NAMES)})")
+    if device == "cuda":
+        if backend not in (None, "torch"):
+            raise BadInputError(f"--device cuda runs the torch engine; the {backend} backend runs on the CPU")
+        from core.torch_backend import check_device
+        check_device("cuda")
+        return "torch", "cuda"
+    if device == "auto" and backend in (None, "torch") and cuda_available():
+        return "torch", "cuda"
+    return backend or default_backend(), "cpu"
+
+
 def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None,
-                 progress: registry.Progress | None = None) -> Backend:
+                 progress: registry.Progress | None = None, device: str = "cpu") -> Backend:
+    if name == "torch":
+        from core.torch_backend import TorchBackend
+        return TorchBackend(gguf, tokenizer, n_ctx, device, progress=progress)
     if name == "llama.cpp":
         from core.llamacpp_backend import LlamaCppBackend
         return LlamaCppBackend(gguf, tokenizer, n_ctx, threads)
@@ -51,14 +85,16 @@ class Message:
 class Engine:
     def __init__(self, model: str = registry.DEFAULT_MODEL, backend: str | None = None, n_ctx: int = DEFAULT_CTX,
                  threads: int | None = None, progress: registry.Progress | None = None,
-                 backend_progress: registry.Progress | None = None):
+                 backend_progress: registry.Progress | None = None, device: str = "auto"):
         """progress: the model pull; backend_progress: loading weights and preparing kernels (the
-        TUI's bar; without it the native backend reports on stderr when that is a terminal)."""
+        TUI's bar; without it the native backend reports on stderr when that is a terminal);
+        device: auto, cpu or cuda (pick_backend)."""
         if n_ctx < 16:
             raise BadInputError("--ctx must be at least 16")
         if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
             raise BadInputError(f"--threads must be between 1 and {(os.cpu_count() or 1) * 4}")
         self.model_name = model
+        backend, device = pick_backend(backend, device)
         self.path = registry.resolve(model, progress)
         self.gguf = open_model(self.path)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
@@ -68,10 +104,10 @@ class Engine:
         self.template = ChatTemplate(source, bos, eos) if source else None
         train_ctx = self.gguf.arch_get("context_length") or n_ctx
         self.n_ctx = min(n_ctx, int(train_ctx))
-        self.backend_name = backend or default_backend()
+        self.backend_name = backend
         self.threads, self.progress, self.backend_progress = threads, progress, backend_progress
         self.backend = load_backend(self.backend_name, self.gguf, self.tokenizer, self.n_ctx, threads,
-                                    backend_progress)
+                                    backend_progress, device)
         self._draft: tuple[str, Backend] | None = None   # (draft model name, its native backend)
 
     @property

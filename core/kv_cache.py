@@ -92,15 +92,20 @@ class PagedKVCache:
     """Per-layer K/V block arrays plus the pool that hands their blocks out."""
 
     def __init__(self, n_layer: int, n_kv_heads: int, head_dim: int, n_ctx: int,
-                 block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None, storage=None):
+        """storage(n_blocks, block_size) -> (K, V) per layer: another engine's tensors (the torch
+        engine's, on its device); default: numpy float16 arrays."""
         self.block_size = block_size
         self.n_ctx = n_ctx
         n_blocks = n_blocks or -(-n_ctx // block_size)
         shape = (n_blocks, block_size, n_kv_heads, head_dim)
-        # one allocation per K and V: numpy asks for transparent huge pages on big arrays, so the
-        # cache is faulted in 2 MB at a time instead of one 4 KB page every few tokens per layer
-        self.k = list(np.zeros((n_layer,) + shape, np.float16))      # n_layer x (n_blocks, bs, Hkv, hd)
-        self.v = list(np.zeros((n_layer,) + shape, np.float16))
+        if storage is not None:
+            self.k, self.v = storage(n_blocks, block_size)
+        else:
+            # one allocation per K and V: numpy asks for transparent huge pages on big arrays, so the
+            # cache is faulted in 2 MB at a time instead of one 4 KB page every few tokens per layer
+            self.k = list(np.zeros((n_layer,) + shape, np.float16))      # n_layer x (n_blocks, bs, Hkv, hd)
+            self.v = list(np.zeros((n_layer,) + shape, np.float16))
         self.pool = BlockPool(n_blocks)
         self.sequences: list[Sequence] = []
 

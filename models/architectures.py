@@ -12,7 +12,7 @@ from models.errors import BadInputError
 
 if TYPE_CHECKING:
     from models.gguf_file import GGUFFile
-    from models.transformer import Decoder
+    from models.transformer import Decoder, DecoderConfig
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config class)
     "llama": ("models.llama", "LlamaConfig"),
@@ -21,11 +21,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
 }
 
 
+def load_config(g: "GGUFFile") -> "DecoderConfig":
+    """The DecoderConfig of this GGUF's architecture (what every engine's decoder runs)."""
+    if g.arch not in ARCHITECTURES:
+        raise BadInputError(f"kvchat's engines do not run architecture '{g.arch}'")
+    module, name = ARCHITECTURES[g.arch]
+    return getattr(importlib.import_module(module), name).from_gguf(g)
+
+
 def load_model(g: "GGUFFile", progress=None, cache_dir: Path | None = None) -> "Decoder":
     """The native engine's Decoder for this GGUF's architecture."""
     from models.transformer import Decoder
-    if g.arch not in ARCHITECTURES:
-        raise BadInputError(f"the native engine does not run architecture '{g.arch}'")
-    module, name = ARCHITECTURES[g.arch]
-    config = getattr(importlib.import_module(module), name)
-    return Decoder(config.from_gguf(g), g, progress, cache_dir)
+    return Decoder(load_config(g), g, progress, cache_dir)

@@ -10,7 +10,7 @@ _.pre_tokenizer  # core/tokenizer.py: set on the HF tokenizers object
 _.model_type, _.byte_fallback, _.vocab_size, _.add_dummy_prefix  # core/tokenizer.py: sentencepiece proto fields
 _.remove_extra_whitespaces, _.escape_whitespaces, _.score  # core/tokenizer.py: sentencepiece proto fields
 LlamaConfig, Qwen2Config, Gemma3Config  # models/architectures.py: looked up by name in the table
-n_ctx_train  # models/transformer.py: the model's trained context, a config field
+n_ctx_train, n_ff  # models/transformer.py: the model's trained context and FFN width, config fields
 _.wq, _.wv, _.w_up  # models/transformer.py: unpacked beside wk / w_gate, which are read
 pytestmark  # tests: pytest reads it
 _isolated_dirs, qwen15_path  # tests: pytest fixtures, requested by name

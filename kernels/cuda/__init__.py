@@ -9,15 +9,13 @@ Importing this package imports neither triton nor the kernel modules (triton is 
 extra, not a CPU-install dependency): import `kernels.cuda.attention` etc. where needed.
 Tests run every kernel on the CPU with TRITON_INTERPRET=1 and CPU tensors.
 
-Intended CUDA backend (not wired yet; issue 6):
-  * Weights stay as GGUF blocks (uint8) in GPU memory. Decode (batch 1, memory-bound) runs the
-    dequant-in-register GEMV, reading 4.5-8.5 bits per weight instead of 16.
-  * Prefill (compute-bound) dequantizes each weight once to bf16 (at load, or per layer into a
-    reused buffer) and uses cuBLAS GEMM via torch; flash prefill for attention.
+The torch engine (core.torch_backend, models.torch_decoder) runs them:
+  * Weights stay as GGUF blocks (uint8) in device memory; decode rows run the dequant-in-register
+    GEMV, reading 4.5-8.5 bits per weight instead of 16. Prompts multiply a dequantized copy
+    (fp16 on CUDA) with torch.matmul; types without a GEMV kernel use that copy for decode too.
   * The KV cache keeps the CPU engine's paged layout (n_blocks, block_size, Hkv, hd) per layer,
-    in fp16/bf16 on the GPU; block tables and sequence lengths live on the device.
-  * The decode step is captured once in a CUDA graph with static buffers sized by the context:
-    attention_decode's split count is fixed from the context size (max_kv) while the key range
-    of each split is derived on the device from seq_lens, so replays need no recapture.
-    Sampling runs on the GPU; the host syncs only to emit the token.
+    in fp16 on the device, with core.kv_cache's block tables and prefix reuse.
+Not built yet: sampling on the device, CUDA graphs for the decode step (attention_decode's split
+count can be fixed from the context size (max_kv) while each split's key range comes from
+seq_lens on the device, so replays need no recapture).
 """

@@ -111,7 +111,7 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
 
     BLOCK_R rows x BLOCK_K columns per tile: 16 x 256 on the GPU (a whole Q4_K/Q6_K block per
     row per step, N/16 programs: 56 programs per SM-wave for a 896-wide 0.5B layer already),
-    8 x 64 under the interpreter. BLOCK_K must divide into whole quant blocks only for speed,
+    up to 1024 x 256 under the interpreter. BLOCK_K must divide into whole quant blocks only for speed,
     not for correctness: every column finds its block itself.
     """
     if ggml_type not in QK:
@@ -130,8 +130,9 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     M, N = x2.shape[0], w_raw.shape[0]
     y = torch.empty((M, N), dtype=torch.float32, device=x.device)
     interp = x.device.type == "cpu"
-    block_r = block_r or (8 if interp else 16)
-    block_k = block_k or (64 if interp else 256)
+    # the interpreter pays per operation, not per element: few programs with big tiles
+    block_r = block_r or (min(1024, triton.next_power_of_2(N)) if interp else 16)
+    block_k = block_k or 256
     _gemv_kernel[(triton.cdiv(N, block_r), M)](
         w_raw, x2, y, N, n_cols, w_raw.shape[1], x2.stride(0), y.stride(0),
         QTYPE=ggml_type, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
