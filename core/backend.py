@@ -18,7 +18,7 @@ from core.tokenizer import Tokenizer
 from core.types import LiveStats, SamplingParams, SpeculativeConfig, Timings, TokenEvent
 
 if TYPE_CHECKING:
-    from core.kv_cache import Sequence as KVSequence
+    from core.kv_cache import PagedKVCache, Sequence as KVSequence
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,47 @@ class Backend(Described, ABC):
         """core.generate.generate on this backend."""
         from core.generate import generate
         return generate(self, prompt_ids, params, cancel, speculative, draft_backend)
+
+
+class PagedBackend(Backend):
+    """A backend over core.kv_cache's paged cache (the native and torch engines): the sequence
+    bookkeeping they share. A subclass sets `cache` (from its new_cache) and `seq`, its current
+    sequence, in __init__."""
+    cache: "PagedKVCache"
+    seq: "KVSequence"
+
+    @abstractmethod
+    def new_cache(self, n_blocks: int | None = None) -> "PagedKVCache":
+        """An empty cache of n_blocks blocks (None: one context's worth) in this engine's storage."""
+
+    def reuse_prefix(self, ids: Sequence[int]) -> int:
+        return self.seq.reuse_prefix(ids, len(ids) - 1)
+
+    def rollback(self, n_tokens: int) -> None:
+        self.seq.truncate(n_tokens)
+
+    def reserve_sequences(self, parallel: int) -> None:
+        """A bigger pool when one context's worth is too small (native pages are touched lazily)."""
+        need = parallel * -(-self.n_ctx // self.cache.block_size) + parallel
+        if self.cache.n_blocks >= need:
+            return
+        self.seq.release()
+        self.cache = self.new_cache(need)
+        self.seq = self.cache.new_sequence()
+
+    def new_sequence(self) -> "KVSequence":
+        return self.cache.new_sequence()
+
+    def reset(self) -> None:
+        """Empty the cache, prefix registrations included: the next prompt runs cold."""
+        self.seq.release()
+        self.cache.forget_prefixes()
+
+    def kv_block_map(self) -> list[str]:
+        return self.cache.block_states()
+
+    def close(self) -> None:
+        self.seq.release()
+        self.model = None
+        self.cache = None
+

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from core.backend import Backend, Capabilities
+from core.backend import Capabilities, PagedBackend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from core.paths import weights_cache_dir
 from core.tokenizer import Tokenizer
@@ -51,7 +51,7 @@ def _stderr_progress(what: str, done: int, total: int) -> None:
         sys.stderr.flush()
 
 
-class NativeBackend(Backend):
+class NativeBackend(PagedBackend):
     capabilities = Capabilities("native", kv_map=True, speculative=True, batch=True, decode_threads=True)
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
@@ -74,7 +74,8 @@ class NativeBackend(Backend):
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")
         # n_blocks: a bigger pool than one context, for several sequences at once (core.batch)
-        self.cache = PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, block_size, n_blocks)
+        self.block_size = block_size
+        self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()
         self._warm_up()
 
@@ -101,6 +102,10 @@ class NativeBackend(Backend):
             self.seq.release()
         self.progress("preparing kernels", 2, 2)
 
+    def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
+        cfg = self.model.cfg
+        return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx, self.block_size, n_blocks)
+
     def set_phase(self, phase: str) -> None:
         import numba
         n = self._decode_threads if phase == "decode" and self._decode_threads else self._threads
@@ -112,9 +117,6 @@ class NativeBackend(Backend):
 
     def set_decode_threads(self, n: int | None) -> None:
         self._decode_threads = n
-
-    def reuse_prefix(self, ids: Sequence[int]) -> int:
-        return self.seq.reuse_prefix(ids, len(ids) - 1)
 
     def extend(self, ids: Sequence[int], vocab_limit: int | None = None, decode_rows: bool | None = None) -> np.ndarray:
         """The last token's logits after `ids`; decode_rows: every row with a single token's
@@ -135,23 +137,6 @@ class NativeBackend(Backend):
         logits = self.model.forward(np.asarray(ids, np.int64), start, self.seq, all_logits=True, decode_rows=True)
         self.seq.commit(ids)
         return logits
-
-    def rollback(self, n_tokens: int) -> None:
-        self.seq.truncate(n_tokens)
-
-    def reserve_sequences(self, parallel: int) -> None:
-        """A bigger pool when one context's worth is too small (pages are touched lazily)."""
-        cache = self.cache
-        need = parallel * -(-self.n_ctx // cache.block_size) + parallel
-        if cache.n_blocks >= need:
-            return
-        cfg = self.model.cfg
-        self.seq.release()
-        self.cache = PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, cache.n_ctx, cache.block_size, n_blocks=need)
-        self.seq = self.cache.new_sequence()
-
-    def new_sequence(self):
-        return self.cache.new_sequence()
 
     def forward_batch(self, runs) -> np.ndarray:
         segments, tokens = [], []
@@ -175,16 +160,3 @@ class NativeBackend(Backend):
             out.append(self.model.forward(np.asarray(part, np.int64), s, self.seq, all_logits=True))
             self.seq.commit(part)
         return np.concatenate(out)
-
-    def reset(self) -> None:
-        """Empty the cache, prefix registrations included: the next prompt runs cold."""
-        self.seq.release()
-        self.cache.forget_prefixes()
-
-    def kv_block_map(self) -> list[str]:
-        return self.cache.block_states()
-
-    def close(self) -> None:
-        self.seq.release()
-        self.model = None
-        self.cache = None

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from core.backend import Backend, Capabilities
+from core.backend import Capabilities, PagedBackend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from core.tokenizer import Tokenizer
 from models.architectures import load_config
@@ -47,7 +47,7 @@ def check_device(device: str) -> None:
         raise BadInputError("--device cuda: TRITON_INTERPRET=1 is set, which runs the kernels on the CPU")
 
 
-class TorchBackend(Backend):
+class TorchBackend(PagedBackend):
     capabilities = Capabilities("torch", device="cpu", kv_map=True, speculative=True, batch=True)
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, device: str = "cpu",
@@ -64,12 +64,13 @@ class TorchBackend(Backend):
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")
         self.model = TorchDecoder(cfg, gguf, self.torch_device, progress)
-        self.cache = self._new_cache(n_ctx, block_size, n_blocks)
+        self.block_size = block_size
+        self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()
 
-    def _new_cache(self, n_ctx: int, block_size: int, n_blocks: int | None) -> PagedKVCache:
+    def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
         cfg = self.model.cfg
-        return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, block_size, n_blocks,
+        return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx, self.block_size, n_blocks,
                             storage=self.model.new_cache)
 
     def _forward(self, runs: Sequence[tuple], all_rows: bool = False) -> np.ndarray:
@@ -88,30 +89,12 @@ class TorchBackend(Backend):
             seq.commit(list(ids))
         return logits.cpu().numpy()
 
-    def reuse_prefix(self, ids: Sequence[int]) -> int:
-        return self.seq.reuse_prefix(ids, len(ids) - 1)
-
     def extend(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
         logits = self._forward([(self.seq, list(ids))])[0]
         return logits if vocab_limit is None else logits[:vocab_limit]
 
     def verify(self, ids: Sequence[int]) -> np.ndarray:
         return self._forward([(self.seq, list(ids))], all_rows=True)
-
-    def rollback(self, n_tokens: int) -> None:
-        self.seq.truncate(n_tokens)
-
-    def reserve_sequences(self, parallel: int) -> None:
-        cache = self.cache
-        need = parallel * -(-self.n_ctx // cache.block_size) + parallel
-        if cache.n_blocks >= need:
-            return
-        self.seq.release()
-        self.cache = self._new_cache(cache.n_ctx, cache.block_size, need)
-        self.seq = self.cache.new_sequence()
-
-    def new_sequence(self):
-        return self.cache.new_sequence()
 
     def forward_batch(self, runs) -> np.ndarray:
         return self._forward([(seq, list(ids)) for seq, ids in runs])
@@ -121,15 +104,3 @@ class TorchBackend(Backend):
         self.seq.release()
         return np.concatenate([self._forward([(self.seq, list(ids[s:s + chunk]))], all_rows=True)
                                for s in range(0, len(ids), chunk)])
-
-    def reset(self) -> None:
-        self.seq.release()
-        self.cache.forget_prefixes()
-
-    def kv_block_map(self) -> list[str]:
-        return self.cache.block_states()
-
-    def close(self) -> None:
-        self.seq.release()
-        self.model = None
-        self.cache = None
