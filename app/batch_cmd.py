@@ -27,11 +27,14 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     from core.batch import DEFAULT_PARALLEL
     from core.engine import DEFAULT_CTX
     from models.registry import DEFAULT_MODEL
-    p = subparsers.add_parser("batch", help="many prompts from a JSONL file, continuously batched (native engine)")
+    p = subparsers.add_parser("batch", help="many prompts from a JSONL file, continuously batched")
     p.add_argument("input", help="JSONL file of {id, prompt | messages, sampling fields...}; '-' reads stdin")
     p.add_argument("-o", "--output", required=True, help="JSONL answers (appended; ids already answered are skipped, failed ones rerun)")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
-    p.add_argument("--backend", default="native", help="inference engine (only native batches)")
+    p.add_argument("--backend", choices=("native", "torch"), default="native",
+                   help="inference engine: native (default) or torch (the engines that batch)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the torch engine runs (see kvchat run --help)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context per sequence in tokens (default: {DEFAULT_CTX})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
@@ -138,7 +141,8 @@ def cmd_batch(args) -> int:
     out_path = Path(args.output)
     skip = resume_output(out_path)
     with stderr_progress() as progress:
-        engine = Engine(args.model, backend="native", n_ctx=args.ctx, threads=args.threads, progress=progress)
+        engine = Engine(args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads, progress=progress,
+                        device=args.device if args.backend == "torch" else "cpu")
     chat = not args.no_chat and engine.has_chat_template
     if not args.no_chat and not engine.has_chat_template:
         sys.stderr.write(f"kvchat: note: {engine.model_name} has no chat template; using plain completion\n")

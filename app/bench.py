@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from core.types import SamplingParams
-from core.engine import BACKEND_NAMES
+from core.engine import BACKEND_NAMES, cuda_available
 from models import registry
 from models.errors import BadInputError
 
@@ -281,7 +281,8 @@ def cmd_bench_modes(args, engines) -> int:
 
 def cmd_bench(args) -> int:
     from app.cli import load_engine
-    names = [b.strip() for b in (args.backend or ",".join(BACKEND_NAMES)).split(",") if b.strip()]
+    default = ["native", "llama.cpp"] + (["torch"] if args.device == "cuda" or cuda_available() else [])
+    names = [b.strip() for b in (args.backend or ",".join(default)).split(",") if b.strip()]
     for name in names:
         if name not in BACKEND_NAMES:
             raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
@@ -298,9 +299,9 @@ def cmd_bench(args) -> int:
                                2048 if (args.multiturn or args.speculative) else 0) + 64
     if args.depth + args.n_gen + 1 > args.ctx:
         raise BadInputError(f"--depth {args.depth} + -n {args.n_gen} do not fit --ctx {args.ctx}")
-    engines = {}
+    engines, device = {}, args.device
     for name in names:
-        args.backend = name
+        args.backend, args.device = name, (device if name == "torch" else "cpu")
         engines[name] = load_engine(args, model)
     if args.batch:
         return cmd_bench_batch(args, engines)

@@ -90,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="llama-bench style benchmark: pp, tg, TTFT, GB/s; backends interleaved")
     bench.add_argument("-m", "--model", default=None, help="registry name or path (default: the default model)")
-    bench.add_argument("--backend", default=None, help="one or several backends, comma-separated (default: all)")
+    bench.add_argument("--backend", default=None,
+                       help="one or several backends, comma-separated (default: native and llama.cpp, and torch "
+                            "when there is a CUDA device)")
+    bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where the torch backend runs (the others run on the CPU)")
     bench.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default: 512)")
     bench.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (default: 128)")
     bench.add_argument("-r", "--repetitions", type=int, default=3, help="rounds (default: 3)")

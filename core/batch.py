@@ -1,4 +1,4 @@
-"""Continuous (in-flight) batching on the native engine.
+"""Continuous (in-flight) batching on an engine that batches (capabilities.batch: native, torch).
 
 Many requests share one loaded model. Every step runs ONE forward pass (Backend.forward_batch)
 over the tokens of all active sequences: the next prefill chunk of each sequence still reading its
@@ -91,11 +91,11 @@ class _Active:
 
 
 class BatchScheduler:
-    """Runs requests with continuous batching on a NativeBackend (core.native_backend)."""
+    """Runs requests with continuous batching on a backend whose capabilities.batch is set."""
 
     def __init__(self, backend: Backend, parallel: int = DEFAULT_PARALLEL, prefill_budget: int = PREFILL_BUDGET):
         if not backend.capabilities.batch:
-            raise BadInputError(f"batch needs the native backend (not {backend.name})")
+            raise BadInputError(f"the {backend.name} backend does not batch (native and torch do)")
         if parallel < 1:
             raise BadInputError("--parallel must be >= 1")
         self.backend = backend

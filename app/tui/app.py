@@ -273,8 +273,8 @@ class KvChatApp(ChatActions, App):
             status.update(f"{engine.model_name} · {engine.backend_name} on {engine.device} · ctx {engine.n_ctx} · ready")
         else:
             backend = engine.backend
-            status.update(status_line(engine.model_name, engine.backend_name, backend.stats, backend.timings,
-                                      self.generating) + (" | queued" if queued else ""))
+            status.update(status_line(engine.model_name, f"{engine.backend_name} on {engine.device}", backend.stats,
+                                      backend.timings, self.generating) + (" | queued" if queued else ""))
             if xray.display:
                 xray.show(backend.stats, backend.kv_block_map(), queued, speculative_text(self.speculative, backend))
 

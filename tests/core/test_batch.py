@@ -121,8 +121,15 @@ def test_cmd_batch_errors_and_resume(engine, tmp_path):
     assert "error" in rerun[2] and "error" in rerun[3] and rerun["c"]["tokens"] and rerun["d"]["tokens"]
 
 
-def test_unsupported_backend(engine, tmp_path):
-    from app.batch_cmd import cmd_batch
-    (tmp_path / "in.jsonl").write_text("")
-    with pytest.raises(BadInputError, match="native"):
-        cmd_batch(_args(tmp_path, "--backend", "llama.cpp"))
+def test_unsupported_backend(engine, tmp_path, capsys):
+    """`kvchat batch --backend llama.cpp` is refused by the parser (exit 2, the engines that batch
+    named), and the scheduler itself refuses a backend that does not batch."""
+    from core.batch import BatchScheduler
+    from core.llamacpp_backend import LlamaCppBackend
+    with pytest.raises(SystemExit) as e:
+        _args(tmp_path, "--backend", "llama.cpp")
+    assert e.value.code == 2 and "'native', 'torch'" in capsys.readouterr().err
+    llama = LlamaCppBackend(engine.gguf, engine.tokenizer, 256, 2)
+    with pytest.raises(BadInputError, match="llama.cpp backend does not batch"):
+        BatchScheduler(llama)
+    llama.close()

@@ -233,14 +233,15 @@ def test_package_imports_without_triton():
 
 
 _AOT = r'''
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.cuda import attention as A, dequant_gemv as G, norm_rope as N
 
 def comp(fn, sig, consts):
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-    assert "ptx" in k.asm
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", int(sys.argv[1]), 32))
+    assert k.asm.get("ptx") and k.asm.get("cubin"), sorted(k.asm)
 
 i32 = "i32"
 for dt, prec, w in (("fp32", "ieee", False), ("fp16", None, True)):
@@ -258,9 +259,10 @@ sig = dict(o_part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp16", s_
 c = dict(N_SPLITS=5, BLOCK_S=8, HD=80, BLOCK_D=128)
 comp(A._decode_merge_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 for q in G.SUPPORTED:
-    sig = dict(w_ptr="*u8", x_ptr="*fp16", y_ptr="*fp32", N=i32, K=i32, row_bytes=i32, s_xm=i32, s_ym=i32)
-    c = dict(QTYPE=q, BLOCK_R=16, BLOCK_K=256)
-    comp(G._gemv_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
+    for xdt in ("fp16", "fp32"):        # the torch engine passes fp32 activations
+        sig = dict(w_ptr="*u8", x_ptr="*" + xdt, y_ptr="*fp32", N=i32, K=i32, row_bytes=i32, s_xm=i32, s_ym=i32)
+        c = dict(QTYPE=q, BLOCK_R=16, BLOCK_K=256)
+        comp(G._gemv_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", y_ptr="*bf16", D=i32, H=i32, s_x=i32, s_y=i32, eps="fp32",
            log2_base="fp32")
 c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, BLOCK_D=128)
@@ -269,11 +271,13 @@ print("ok")
 '''
 
 
-def test_kernels_compile_for_sm90():
+@pytest.mark.parametrize("sm", [80, 90])
+def test_kernels_compile_for_sm80_and_sm90(sm):
     """The interpreter does not lower kernels; compile each one (every dtype/branch family) to
-    PTX + cubin for sm_90 with triton's bundled ptxas, which needs no GPU. Catches type, loop-
-    carry and layout errors that only show up in the real compiler."""
+    PTX + cubin for sm_80 (A100) and sm_90 (H100) with triton's bundled ptxas, which needs no GPU.
+    Catches type, loop-carry and layout errors that only show up in the real compiler."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    res = subprocess.run([sys.executable, "-c", _AOT, str(sm)], capture_output=True, text=True, timeout=300, cwd=root,
+                         env=env)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
