@@ -299,6 +299,9 @@ def cmd_models(args) -> int:
             print(f"context length  {info['context_length']}")
             print(f"chat template   {'yes' if info['chat_template'] else 'no (completion only)'}")
             print(f"file size       {info['file_size']:,} bytes ({info['file_size'] / 1e6:.1f} MB)")
+            slow = info["torch_dequantized"]
+            print("torch engine    " + (f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow
+                                        else "reads every quantized matrix in place"))
         return EXIT_OK
     raise BadInputError(f"unknown models command {sub}")
 

@@ -248,7 +248,15 @@ class GGUFFile:
             "context_length": self.arch_get("context_length"),
             "chat_template": self.chat_template is not None,
             "file_size": self.file_size,
+            "torch_dequantized": self.torch_dequantized(),
         }
+
+    def torch_dequantized(self) -> list[str]:
+        """The quantized matrix types the torch engine cannot read in place (no Triton GEMV kernel):
+        it dequantizes them at load, and decode reads the float copy."""
+        from kernels.cuda import GEMV_TYPES
+        return sorted({t.type_name for t in self.tensors.values()
+                       if len(t.shape) > 1 and t.ggml_type not in GEMV_TYPES and t.type_name not in ("F32", "F16", "BF16")})
 
 
 def open_model(path: str | Path) -> GGUFFile:

@@ -266,6 +266,7 @@ class KvChatApp(ChatActions, App):
     # --- stats -----------------------------------------------------------------------------
     def refresh_stats(self, queued: bool = False) -> None:
         engine, status, xray = self.engine, self.query_one(StatusBar), self.query_one(XRayPanel)
+        xray.border_subtitle = f"{engine.backend_name} on {engine.device}" if engine is not None else ""
         if engine is None:
             status.show_no_engine(self.model_spec, bool(self.loading_model), self.queued_text is not None)
             xray.show(None, None)

@@ -19,3 +19,7 @@ Not built yet: sampling on the device, CUDA graphs for the decode step (attentio
 count can be fixed from the context size (max_kv) while each split's key range comes from
 seq_lens on the device, so replays need no recapture).
 """
+from kernels.types import Q4_K, Q5_0, Q6_K, Q8_0
+
+# the GGUF types dequant_gemv reads in place; the torch engine dequantizes the others at load
+GEMV_TYPES = (Q8_0, Q5_0, Q4_K, Q6_K)

@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.types import Q4_K, Q5_0, Q6_K, Q8_0, TRAITS
+from kernels.cuda import GEMV_TYPES
+from kernels.types import Q4_K, Q5_0, Q8_0, TRAITS
 
-QK = {t: (TRAITS[t].block, TRAITS[t].size) for t in (Q8_0, Q5_0, Q4_K, Q6_K)}   # (elements, bytes) per block
+QK = {t: (TRAITS[t].block, TRAITS[t].size) for t in GEMV_TYPES}   # (elements, bytes) per block
 # the same ids as compile-time constants inside the kernels (Triton reads only constexpr globals)
 _Q8_0, _Q5_0, _Q4_K = tl.constexpr(Q8_0), tl.constexpr(Q5_0), tl.constexpr(Q4_K)
 SUPPORTED = tuple(QK)

@@ -110,3 +110,13 @@ def test_gemma_greedy_tokens_equal_native(gemma_path):
         return proc.stdout
     torch_text = run("--backend", "torch", "--device", "cpu")
     assert torch_text.strip() and torch_text == run("--backend", "native")
+
+
+def test_models_info_names_the_types_dequantized_at_load(tiny_model):
+    """A type without a Triton GEMV kernel is dequantized at load, and `models info` says so."""
+    g, tok = tiny_model("llama", "Q4_0")
+    assert g.info()["torch_dequantized"] == ["Q4_0"]
+    assert TorchBackend(g, tok, 64, "cpu").model.layers[0].wq.quantized is None
+    g, tok = tiny_model("qwen2", "Q4_K")
+    assert g.info()["torch_dequantized"] == []
+    assert TorchBackend(g, tok, 64, "cpu").model.layers[0].wq.quantized is not None
