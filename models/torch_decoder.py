@@ -3,7 +3,7 @@
 The same `DecoderConfig` as the native engine (models.transformer) describes each architecture;
 this file runs it with the Triton kernels of kernels.cuda on any torch device. On the CPU (tests,
 CI, a machine without a GPU) the kernels run in Triton's interpreter, which core.torch_backend
-switches on before triton is imported.
+switches on before it imports this module (and with it triton).
 
 - Weights: a matrix whose GGUF type has a Triton dequant-GEMV kernel stays quantized (its GGUF
   bytes as a uint8 tensor), and decode rows read it with dequant_gemv. Prompts (and every matrix
@@ -24,6 +24,10 @@ import numpy as np
 import torch
 
 from kernels.cpu import dequantize
+from kernels.cuda import GEMV_TYPES
+from kernels.cuda.attention import attention_decode, attention_prefill, write_kv
+from kernels.cuda.dequant_gemv import dequant_gemv
+from kernels.cuda.norm_rope import norm_rope, rms_norm, rope
 from models.gguf_file import GGUFFile
 from models.transformer import DecoderConfig
 
@@ -42,7 +46,6 @@ class TorchMatrix:
 
     def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, device: torch.device,
                  dtype: torch.dtype):
-        from kernels.cuda.dequant_gemv import SUPPORTED as GEMV_TYPES
         self.ggml_type, self.n_rows, self.n_cols = int(ggml_type), int(n_rows), int(n_cols)
         self.quantized = None
         small = n_rows * n_cols <= INTERPRETED_GEMV_MAX_WEIGHTS
@@ -54,7 +57,6 @@ class TorchMatrix:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) -> x @ W.T (M, N) float32."""
         if self.quantized is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            from kernels.cuda.dequant_gemv import dequant_gemv
             return dequant_gemv(self.quantized, self.ggml_type, self.n_cols, x.float())
         return (x.to(self.dense.dtype) @ self.dense.T).float()
 
@@ -142,9 +144,6 @@ class TorchDecoder:
         core.kv_cache whose cache slots for these tokens are held (kv.k_cache[il] are this model's
         tensors). Returns float32 logits: every row (T, n_vocab) with all_rows, else each
         segment's last row (len(segments), n_vocab)."""
-        from kernels.cuda.attention import attention_decode, attention_prefill, write_kv
-        from kernels.cuda.norm_rope import norm_rope, rms_norm, rope
-
         cfg, dev = self.cfg, self.device
         T, Hq, Hkv, hd = len(tokens), cfg.n_head, cfg.n_head_kv, cfg.head_dim
         ids = torch.as_tensor(np.asarray(tokens, np.int64), device=dev)

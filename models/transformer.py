@@ -344,6 +344,7 @@ class Block:
         self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
         self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
         self.softmax = "llama.cpp"       # attention's softmax: "llama.cpp" or "online" (flash)
+        self._row_bufs: dict = {}        # row count -> fused.RowBuffers (shared with same-shaped layers)
 
     def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], plan: RowPlan,
                   rope_tables: dict) -> np.ndarray:
@@ -445,9 +446,12 @@ class Block:
         rows: a decode step, a speculative check): exactly the general path's arithmetic (and bits),
         as one compiled call (kernels.cpu.fused.decode_layer). cs: rope's cos/sin of the positions;
         plan: attention.decode_plan for this layer's window."""
-        w = self.fused_weights()
+        w, R = self.fused_weights(), x.shape[0]
+        bufs = self._row_bufs.get(R)
+        if bufs is None:                 # the pool's shape key once per row count, not per step
+            bufs = self._row_bufs[R] = pool.get(w, R)
         fused.decode_layer(x, cs, w, kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16),
-                           plan, pool.get(w, x.shape[0]))
+                           plan, bufs)
         return x
 
     def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
