@@ -106,6 +106,19 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, row_bytes, s_xm, s_ym,
     tl.store(y_ptr + m * s_ym + rows, y, mask=r_ok)
 
 
+def check_blocks(kernel: str, w_raw: torch.Tensor, ggml_type: int, n_cols: int) -> None:
+    """w_raw must be the uint8 (n_rows, row_bytes) GGUF blocks of n_cols-column rows of a type the
+    kernels read."""
+    if ggml_type not in QK:
+        raise NotImplementedError(f"{kernel}: GGML type {ggml_type} not supported (have {SUPPORTED})")
+    if w_raw.dtype != torch.uint8 or w_raw.dim() != 2:
+        raise TypeError(f"w_raw must be uint8 (n_rows, row_bytes), got {w_raw.dtype} {tuple(w_raw.shape)}")
+    per, nbytes = QK[ggml_type]
+    if n_cols % per or w_raw.shape[1] != n_cols // per * nbytes:
+        raise ValueError(f"{n_cols} columns of type {ggml_type} need rows of {n_cols // per * nbytes} bytes, "
+                         f"got {w_raw.shape[1]}")
+
+
 def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor,
                  block_r: int = 0, block_k: int = 0, num_warps: int = 4) -> torch.Tensor:
     """y = W @ x in fp32. w_raw uint8 (N, row_bytes) GGUF blocks; x (K,) or (M, K) -> (N,) or (M, N).
@@ -115,14 +128,7 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     up to 1024 x 256 under the interpreter. BLOCK_K must divide into whole quant blocks only for speed,
     not for correctness: every column finds its block itself.
     """
-    if ggml_type not in QK:
-        raise NotImplementedError(f"dequant_gemv: GGML type {ggml_type} not supported (have {SUPPORTED})")
-    if w_raw.dtype != torch.uint8 or w_raw.dim() != 2:
-        raise TypeError(f"w_raw must be uint8 (n_rows, row_bytes), got {w_raw.dtype} {tuple(w_raw.shape)}")
-    per, nbytes = QK[ggml_type]
-    if n_cols % per or w_raw.shape[1] != n_cols // per * nbytes:
-        raise ValueError(f"{n_cols} columns of type {ggml_type} need rows of {n_cols // per * nbytes} bytes, "
-                         f"got {w_raw.shape[1]}")
+    check_blocks("dequant_gemv", w_raw, ggml_type, n_cols)
     w_raw = w_raw.contiguous()
     squeeze = x.dim() == 1
     x2 = (x.unsqueeze(0) if squeeze else x).contiguous()

@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels.cuda.attention import attention_decode, attention_prefill, choose_splits  # noqa: E402
+from kernels.cpu import dequantize  # noqa: E402
+from kernels.cuda.dequant import dequantize_rows  # noqa: E402
 from kernels.cuda.dequant_gemv import dequant_gemv  # noqa: E402
 from kernels.cuda.norm_rope import norm_rope, rms_norm, rope  # noqa: E402
 from kernels.reference import (  # noqa: E402
@@ -178,6 +180,114 @@ def test_dequant_gemv_rejects_bad_input():
         dequant_gemv(torch.zeros((1, 33), dtype=torch.uint8), 8, 32, torch.zeros(32))
 
 
+# ------------------------------------------------------------------------------------ dequantize rows
+
+DEQ_CASES = [(8, 7, 96), (6, 5, 160), (12, 6, 512), (14, 5, 256)]   # ggml type, n_rows, n_cols
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ggml_type,n_rows,n_cols", DEQ_CASES)
+def test_dequantize_rows_matches_cpu(ggml_type, n_rows, n_cols, dtype):
+    """Bit-exact against kernels.cpu.dequantize (fp16: the fp32 reference rounded once), all rows
+    and gathers with repeated, out-of-order int64 and int32 indices."""
+    rng = np.random.default_rng(ggml_type * 10 + n_rows)
+    raw = random_quantized(ggml_type, n_rows, n_cols, rng)
+    ref = torch.from_numpy(dequantize(raw, ggml_type, n_cols)).to(dtype)          # (n_rows, n_cols)
+    w = torch.from_numpy(raw).to(DEVICE)
+    y = dequantize_rows(w, ggml_type, n_cols, dtype=dtype)
+    assert y.shape == (n_rows, n_cols) and y.dtype == dtype
+    assert torch.equal(y.cpu(), ref)
+    idx = [n_rows - 1, 0, 2, 2, n_rows - 1, 1]
+    for idt in (torch.int64, torch.int32):
+        y = dequantize_rows(w, ggml_type, n_cols, rows=torch.tensor(idx, dtype=idt, device=DEVICE), dtype=dtype)
+        assert torch.equal(y.cpu(), ref[idx])
+    y = dequantize_rows(w, ggml_type, n_cols, rows=torch.tensor(idx[:1], device=DEVICE), dtype=dtype)
+    assert torch.equal(y.cpu(), ref[idx[:1]])                  # one embedding row
+
+
+@pytest.mark.parametrize("ggml_type,n_rows,n_cols", DEQ_CASES)
+def test_dequantize_rows_into_scratch(ggml_type, n_rows, n_cols):
+    """`out` as views of larger buffers: the first M rows of a flat scratch buffer, and a window
+    with a row stride wider than n_cols; nothing outside the view is written."""
+    rng = np.random.default_rng(ggml_type + n_cols)
+    raw = random_quantized(ggml_type, n_rows, n_cols, rng)
+    ref = torch.from_numpy(dequantize(raw, ggml_type, n_cols))                    # fp32 (n_rows, n_cols)
+    w = torch.from_numpy(raw).to(DEVICE)
+    scratch = torch.full(((n_rows + 3) * n_cols,), -7.0, dtype=torch.float16, device=DEVICE)
+    out = scratch[: n_rows * n_cols].view(n_rows, n_cols)
+    assert dequantize_rows(w, ggml_type, n_cols, out=out) is out
+    assert torch.equal(out.cpu(), ref.half()) and bool((scratch[n_rows * n_cols:] == -7).all())
+    rows = torch.tensor([1, 0, 1], device=DEVICE)
+    scratch = torch.full((5, n_cols + 64), -7.0, dtype=torch.float32, device=DEVICE)
+    out = scratch[1:4, 32: 32 + n_cols]
+    y = dequantize_rows(w, ggml_type, n_cols, rows=rows, out=out, dtype=torch.float32)
+    assert y is out and torch.equal(out.cpu(), ref[[1, 0, 1]])
+    keep = torch.ones_like(scratch, dtype=torch.bool)
+    keep[1:4, 32: 32 + n_cols] = False
+    assert bool((scratch[keep] == -7).all())
+
+
+def test_dequantize_rows_bf16_and_empty():
+    rng = np.random.default_rng(5)
+    raw = random_quantized(12, 3, 256, rng)
+    ref = torch.from_numpy(dequantize(raw, 12, 256))
+    w = torch.from_numpy(raw).to(DEVICE)
+    y = dequantize_rows(w, 12, 256, dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    if DEVICE == "cuda":
+        assert torch.equal(y.cpu(), ref.bfloat16())
+    else:       # the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even
+        torch.testing.assert_close(y.float(), ref, atol=0, rtol=2 ** -7)
+    y = dequantize_rows(w, 12, 256, rows=torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    assert y.shape == (0, 256) and y.dtype == torch.float16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_dequantize_rows_captures_in_cuda_graph():
+    """No host sync in the launcher: a captured gather replays with new indices in place."""
+    rng = np.random.default_rng(9)
+    raw = random_quantized(14, 6, 256, rng)
+    ref = torch.from_numpy(dequantize(raw, 14, 256)).half()
+    w = torch.from_numpy(raw).cuda()
+    rows = torch.tensor([0, 1, 2], device="cuda")
+    out = torch.empty((3, 256), dtype=torch.float16, device="cuda")
+    dequantize_rows(w, 14, 256, rows=rows, out=out)                 # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dequantize_rows(w, 14, 256, rows=rows, out=out)
+    rows.copy_(torch.tensor([5, 3, 5], device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), ref[[5, 3, 5]])
+
+
+def test_dequantize_rows_rejects_bad_input():
+    w = torch.zeros((2, 34), dtype=torch.uint8)
+    with pytest.raises(NotImplementedError):
+        dequantize_rows(torch.zeros((1, 18), dtype=torch.uint8), 2, 32)                  # Q4_0
+    with pytest.raises(ValueError):
+        dequantize_rows(torch.zeros((1, 33), dtype=torch.uint8), 8, 32)                  # row bytes
+    with pytest.raises(ValueError):
+        dequantize_rows(w, 8, 48)                                                        # partial block
+    with pytest.raises(TypeError):
+        dequantize_rows(w.to(torch.int8), 8, 32)
+    with pytest.raises(TypeError):
+        dequantize_rows(w.reshape(-1), 8, 32)
+    with pytest.raises(TypeError):
+        dequantize_rows(w, 8, 32, rows=torch.zeros(1))                                   # float indices
+    with pytest.raises(TypeError):
+        dequantize_rows(w, 8, 32, rows=torch.zeros((1, 1), dtype=torch.int64))
+    with pytest.raises(TypeError):
+        dequantize_rows(w, 8, 32, dtype=torch.float64)
+    with pytest.raises(TypeError):
+        dequantize_rows(w, 8, 32, out=torch.empty((2, 32)))                              # fp32 out, fp16 asked
+    with pytest.raises(ValueError):
+        dequantize_rows(w, 8, 32, out=torch.empty((3, 32), dtype=torch.float16))
+    with pytest.raises(ValueError):
+        dequantize_rows(w, 8, 32, out=torch.empty((32, 2), dtype=torch.float16).t())     # column stride 2
+
+
 # ------------------------------------------------------------------------------------ norm / rope
 
 
@@ -237,10 +347,11 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.cuda import attention as A, dequant_gemv as G, norm_rope as N
+from kernels.cuda import attention as A, dequant as D, dequant_gemv as G, norm_rope as N
 
-def comp(fn, sig, consts):
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", int(sys.argv[1]), 32))
+def comp(fn, sig, consts, options=None):
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", int(sys.argv[1]), 32),
+                       options=options)
     assert k.asm.get("ptx") and k.asm.get("cubin"), sorted(k.asm)
 
 i32 = "i32"
@@ -263,6 +374,11 @@ for q in G.SUPPORTED:
         sig = dict(w_ptr="*u8", x_ptr="*" + xdt, y_ptr="*fp32", N=i32, K=i32, row_bytes=i32, s_xm=i32, s_ym=i32)
         c = dict(QTYPE=q, BLOCK_R=16, BLOCK_K=256)
         comp(G._gemv_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
+for j, q in enumerate(G.SUPPORTED):     # all rows (rows_ptr is w_raw, unused) and gathers; fp16 out, and fp32/bf16
+    for rows_t, out_t in (("*u8", "fp16"), ("*i64", "fp16"), ("*i32", ("fp32", "bf16")[j % 2])):
+        sig = dict(w_ptr="*u8", rows_ptr=rows_t, out_ptr="*" + out_t, M=i32, K=i32, row_bytes=i32, s_om=i32)
+        c = dict(QTYPE=q, HAS_ROWS=rows_t != "*u8", BLOCK_R=16, BLOCK_K=256)
+        comp(D._dequant_kernel, {**sig, **{n: "constexpr" for n in c}}, c, dict(enable_fp_fusion=False))
 sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", y_ptr="*bf16", D=i32, H=i32, s_x=i32, s_y=i32, eps="fp32",
            log2_base="fp32")
 c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, BLOCK_D=128)
