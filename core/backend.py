@@ -19,6 +19,7 @@ from core.types import LiveStats, SamplingParams, SpeculativeConfig, Timings, To
 
 if TYPE_CHECKING:
     from core.kv_cache import PagedKVCache, Sequence as KVSequence
+    from core.sampler import Sampler
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ class Backend(Described, ABC):
     def extend(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
         """Append `ids` to the sequence; the logits of the last one, (n_vocab,) float32 (only the
         first vocab_limit of them when given: a draft model's greedy pick needs no more)."""
+
+    def extend_sample(self, ids: Sequence[int], sampler: "Sampler") -> int:
+        """Append `ids` and draw the next token from the last one's logits with `sampler` (whose
+        state advances as with sampler.sample). An engine on a GPU samples there, so only the
+        token id crosses to the host (core.device_sampling)."""
+        return sampler.sample(self.extend(ids))
 
     def verify(self, ids: Sequence[int]) -> np.ndarray:
         """Append `ids` and return the logits at every one of them, (len(ids), n_vocab): a

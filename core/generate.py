@@ -54,13 +54,20 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
     stats.phase, stats.cache_n, stats.prefill_done, stats.prefill_total = "prefill", cache_n, 0, len(todo)
     backend.set_phase("prefill")
     stats.n_past = cache_n
-    logits = None
+    sampler = Sampler(params, backend.tokenizer.n_vocab)
+    sampler.remember(prompt_ids)
+    plain = not speculating and not params.banned
+    logits = first = None
     for start in range(0, len(todo), PREFILL_CHUNK):
         if cancel.is_set():
             req.timings.cache_n = cache_n
             req.cancel(during_prefill_done=start)
             return _finish(backend, req)
-        logits = backend.extend(todo[start:start + PREFILL_CHUNK])
+        chunk = todo[start:start + PREFILL_CHUNK]
+        if plain and start + PREFILL_CHUNK >= len(todo):
+            first = backend.extend_sample(chunk, sampler)     # plain decoding samples where the logits are
+        else:
+            logits = backend.extend(chunk)
         stats.prefill_done = min(start + PREFILL_CHUNK, len(todo))
         stats.n_past = cache_n + stats.prefill_done
     drafter = None
@@ -73,8 +80,6 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
         drafter = ModelDrafter(draft_backend, prompt_ids)
     req.prompt_read(len(todo), cache_n)
 
-    sampler = Sampler(params, backend.tokenizer.n_vocab)
-    sampler.remember(prompt_ids)
     stats.phase = "decode"
     backend.set_phase("decode")
     t_last = req.t_prompt_end
@@ -84,7 +89,7 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
     elif params.banned:
         source = _guarded_tokens(backend, logits, sampler, params.banned)
     else:
-        source = _plain_tokens(backend, logits, sampler)
+        source = _plain_tokens(backend, first, sampler)
     try:
         for token in source:
             now = time.perf_counter()
@@ -112,12 +117,13 @@ def _finish(backend: "Backend", req: Request) -> None:
     backend.stats.phase = "done"
 
 
-def _plain_tokens(backend: "Backend", logits: np.ndarray, sampler: Sampler) -> Iterator[int]:
-    """One forward pass per token: sample, hand the token out, then extend the cache with it."""
+def _plain_tokens(backend: "Backend", first: int, sampler: Sampler) -> Iterator[int]:
+    """One forward pass per token: hand the token out, then extend the cache with it and sample the
+    next (Backend.extend_sample: on a GPU only the token id comes back)."""
+    token = first
     while True:
-        token = sampler.sample(logits)
         yield token
-        logits = backend.extend([token])
+        token = backend.extend_sample([token], sampler)
         backend.stats.n_past += 1
 
 

@@ -1,0 +1,84 @@
+"""core.sampler's pipeline on a torch device: the torch engine's logits stay where they were made.
+
+A decode step on a GPU produces n_vocab float32 logits; copying them to the host and sampling
+there costs a transfer and a synchronisation per token that a fast GPU step would then wait on.
+Here the same steps as Sampler.sample (logit bias, penalties, top-k, top-p, min-p, temperature,
+the draw in id order) run as torch operations on the logits' device, and only the chosen id is
+read back. The uniform number of the draw comes from the host Sampler's generator, and the
+candidate probabilities are float64 as on the host, so a seeded run picks the tokens the host
+sampler would pick from the same logits (tests check this on CPU tensors).
+
+The cut-offs are masks, not slices, so that no step needs a value back from the device.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from core.sampler import Sampler
+
+
+def penalized(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
+    """Sampler.apply_penalties on a (n_vocab,) device tensor: bias, then the window's penalties."""
+    p = sampler.params
+    z = logits.float()
+    if p.logit_bias:
+        pairs = [(t, b) for t, b in p.logit_bias if t < z.shape[0]]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=z.device)
+            bias = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=z.device)
+            z = z.index_add(0, ids, bias)
+    if not sampler.recent or (p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0):
+        return z
+    counts = Counter(sampler.recent)
+    ids = torch.tensor(list(counts.keys()), dtype=torch.int64, device=z.device)
+    n = torch.tensor(list(counts.values()), dtype=torch.float32, device=z.device)
+    picked = z[ids]
+    picked = torch.where(picked > 0, picked / p.repeat_penalty, picked * p.repeat_penalty)
+    z = z.clone()
+    z[ids] = picked - n * p.frequency_penalty - p.presence_penalty
+    return z
+
+
+def candidates(sampler: Sampler, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampler.candidates on the device: (k,) ids best first and their final float64 probabilities,
+    zero where top-p or min-p cut the candidate off."""
+    p = sampler.params
+    V = z.shape[0]
+    k = p.top_k if 0 < p.top_k < V else V
+    if k < V:
+        vals, ids = torch.topk(z, k)                                    # (k,) best first
+    else:
+        vals, ids = torch.sort(z, descending=True, stable=True)
+    zd = vals.double()
+    keep = torch.ones(k, dtype=torch.bool, device=z.device)
+    if p.top_p < 1 or p.min_p > 0:
+        probs = torch.exp(zd - zd[0])
+        probs = probs / probs.sum()
+        if p.top_p < 1:                  # the smallest prefix with mass >= top_p
+            n_keep = torch.searchsorted(torch.cumsum(probs, 0), torch.tensor([p.top_p], dtype=torch.float64,
+                                                                             device=z.device)) + 1
+            keep &= torch.arange(k, device=z.device) < n_keep
+        if p.min_p > 0:                  # probs are sorted: the kept ones are a prefix; the best always stays
+            keep &= (probs >= p.min_p * probs[0]) | (torch.arange(k, device=z.device) == 0)
+    final = torch.exp((zd - zd[0]) / p.temperature) * keep
+    return ids, final / final.sum()
+
+
+def sample_on_device(sampler: Sampler, logits: torch.Tensor) -> int:
+    """Sampler.sample for a (n_vocab,) logits tensor on any torch device: the same token for the
+    same logits and generator state. Only the chosen id leaves the device."""
+    z = penalized(sampler, logits)
+    if sampler.params.temperature <= 0:
+        token = int(torch.argmax(z))
+    else:
+        ids, probs = candidates(sampler, z)
+        order = torch.argsort(ids)                       # draw in id order, as the host sampler does
+        cdf = torch.cumsum(probs[order], 0)
+        u = torch.tensor([sampler.rng.random()], dtype=torch.float64, device=z.device)
+        # numpy's Generator.choice: cdf /= cdf[-1], then the first index whose cdf exceeds u
+        idx = torch.searchsorted(cdf / cdf[-1], u, right=True).clamp_(max=cdf.shape[0] - 1)
+        token = int(ids[order][idx])
+    sampler.remember([token])
+    return token
