@@ -6,6 +6,7 @@ streams TokenEvents from the backend.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -76,6 +77,26 @@ def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, th
     raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
 
 
+def load_backend_or_cpu(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None,
+                        progress: registry.Progress | None, device: str, auto: bool) -> Backend:
+    """load_backend; on CUDA, running out of device memory is one line: under --device auto the
+    CPU engine takes over (said on stderr), under --device cuda it is a BadInputError (exit 2)."""
+    try:
+        return load_backend(name, gguf, tokenizer, n_ctx, threads, progress, device)
+    except Exception as e:
+        if device != "cuda":
+            raise
+        import torch
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+            raise
+        line = f"out of GPU memory loading {gguf.path.name} ({str(e).splitlines()[0] if str(e) else 'no detail'})"
+    torch.cuda.empty_cache()
+    if not auto:
+        raise BadInputError(line + "; try --device cpu or a smaller --ctx")
+    print(f"kvchat: {line}; running on the CPU", file=sys.stderr)
+    return load_backend(default_backend(), gguf, tokenizer, n_ctx, threads, progress, "cpu")
+
+
 @dataclass
 class Message:
     role: str
@@ -94,6 +115,7 @@ class Engine:
         if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
             raise BadInputError(f"--threads must be between 1 and {(os.cpu_count() or 1) * 4}")
         self.model_name = model
+        auto = device == "auto"
         backend, device = pick_backend(backend, device)
         self.path = registry.resolve(model, progress)
         self.gguf = open_model(self.path)
@@ -104,10 +126,16 @@ class Engine:
         self.template = ChatTemplate(source, bos, eos) if source else None
         train_ctx = self.gguf.arch_get("context_length") or n_ctx
         self.n_ctx = min(n_ctx, int(train_ctx))
-        self.backend_name = backend
         self.threads, self.progress, self.backend_progress = threads, progress, backend_progress
-        self.backend = load_backend(self.backend_name, self.gguf, self.tokenizer, self.n_ctx, threads,
-                                    backend_progress, device)
+        if auto and device == "cuda":
+            from core.torch_backend import cuda_fits
+            fits, why = cuda_fits(self.gguf, self.n_ctx)
+            if not fits:
+                print(f"kvchat: {why}; running on the CPU", file=sys.stderr)
+                backend, device = default_backend(), "cpu"
+        self.backend = load_backend_or_cpu(backend, self.gguf, self.tokenizer, self.n_ctx, threads,
+                                           backend_progress, device, auto)
+        self.backend_name = self.backend.name
         self._draft: tuple[str, Backend] | None = None   # (draft model name, its native backend)
 
     @property

@@ -47,6 +47,41 @@ def check_device(device: str) -> None:
         raise BadInputError("--device cuda: TRITON_INTERPRET=1 is set, which runs the kernels on the CPU")
 
 
+def cuda_tensor_bytes(t) -> int:
+    """A GGUF tensor's bytes as the torch engine keeps it on CUDA (models.torch_decoder): a matrix of
+    a type the Triton kernels read (kernels.cuda.GEMV_TYPES) as its GGUF blocks, any other matrix
+    as a float16 copy, a vector in float32."""
+    from kernels.cuda import GEMV_TYPES
+    n = int(np.prod(t.shape))
+    if len(t.shape) < 2:
+        return 4 * n
+    return t.n_bytes if t.ggml_type in GEMV_TYPES else 2 * n
+
+
+def device_bytes(gguf: GGUFFile, n_ctx: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """What the torch engine takes in CUDA memory for this model and context: the weights as
+    models.torch_decoder keeps them (GGUF blocks for the types its kernels read, fp16 copies of the
+    rest), the scratch matrix prompts dequantize into, the KV cache with its pad block, and room
+    for a prompt's activations and a batch's logits."""
+    from kernels.cuda import GEMV_TYPES
+    cfg = load_config(gguf)
+    weights = sum(cuda_tensor_bytes(t) for t in gguf.tensors.values())
+    scratch = max((2 * int(np.prod(t.shape)) for t in gguf.tensors.values() if t.ggml_type in GEMV_TYPES
+                   and len(t.shape) == 2), default=0)
+    kv = 2 * cfg.n_layer * (-(-n_ctx // block_size) + 1) * block_size * cfg.n_head_kv * cfg.head_dim * 2
+    activations = 4 * 512 * (4 * cfg.n_embd + 3 * cfg.n_ff) + 4 * 32 * cfg.n_vocab + (256 << 20)
+    return weights + scratch + kv + activations
+
+
+def cuda_fits(gguf: GGUFFile, n_ctx: int) -> tuple[bool, str]:
+    """Does the model with an n_ctx cache fit in the CUDA device's free memory? (yes, or no and a
+    line saying how much it needs and how much is free)."""
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    need = device_bytes(gguf, n_ctx)
+    return need <= free, f"the model and its KV cache need {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB are free"
+
+
 class TorchBackend(PagedBackend):
     capabilities = Capabilities("torch", device="cpu", kv_map=True, speculative=True, batch=True)
 
@@ -67,16 +102,32 @@ class TorchBackend(PagedBackend):
         self.block_size = block_size
         self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()
+        # KVCHAT_CUDA_GRAPHS=0 runs every decode step eagerly (to tell a graph problem from another)
+        self.use_graphs = os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0"
+        self._graphs = None
 
     def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
         cfg = self.model.cfg
         return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx, self.block_size, n_blocks,
                             storage=self.model.new_cache)
 
+    def _decode_graphs(self):
+        """The CUDA graphs of the decode step for the current cache (captured batch by batch)."""
+        from models.torch_decoder import DecodeGraphs
+        if self._graphs is None or self._graphs.k_cache is not self.cache.k:
+            self._graphs = DecodeGraphs(self.model, self.cache.k, self.cache.v, self.n_ctx)
+        return self._graphs
+
     def _forward(self, runs: Sequence[tuple], all_rows: bool = False) -> np.ndarray:
+        """Float32 logits on the host (every row with all_rows, else each run's last)."""
+        return self._forward_device(runs, all_rows).cpu().numpy()
+
+    def _forward_device(self, runs: Sequence[tuple], all_rows: bool = False):
         """runs: (sequence, ids); the slots are appended, the forward pass runs, the tokens are
-        committed. Float32 logits on the host (every row with all_rows, else each run's last)."""
+        committed. The float32 logits stay on the device."""
         import torch
+
+        from models.torch_decoder import GRAPH_BATCHES       # (imported by __init__ already)
         segments, tokens = [], []
         for seq, ids in runs:
             start = seq.n_tokens
@@ -84,14 +135,27 @@ class TorchBackend(PagedBackend):
             segments.append((seq, start, len(ids)))
             tokens.extend(ids)
         with torch.inference_mode():
-            logits = self.model.forward(tokens, segments, all_rows)
+            if self.capabilities.device == "cuda" and self.use_graphs and len(runs) <= GRAPH_BATCHES[-1] \
+                    and all(n == 1 for _, _, n in segments):
+                logits = self._decode_graphs()(tokens, segments)
+            else:
+                logits = self.model.forward(tokens, segments, all_rows)
         for seq, ids in runs:
             seq.commit(list(ids))
-        return logits.cpu().numpy()
+        return logits
 
     def extend(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
         logits = self._forward([(self.seq, list(ids))])[0]
         return logits if vocab_limit is None else logits[:vocab_limit]
+
+    def extend_sample(self, ids: Sequence[int], sampler) -> int:
+        """The logits stay on the device; only the sampled id comes back (core.device_sampling)."""
+        import torch
+
+        from core.device_sampling import sample_on_device
+        logits = self._forward_device([(self.seq, list(ids))])[0]
+        with torch.inference_mode():
+            return sample_on_device(sampler, logits)
 
     def verify(self, ids: Sequence[int]) -> np.ndarray:
         return self._forward([(self.seq, list(ids))], all_rows=True)

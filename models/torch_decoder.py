@@ -5,13 +5,17 @@ this file runs it with the Triton kernels of kernels.cuda on any torch device. O
 CI, a machine without a GPU) the kernels run in Triton's interpreter, which core.torch_backend
 switches on before it imports this module (and with it triton).
 
-- Weights: a matrix whose GGUF type has a Triton dequant-GEMV kernel stays quantized (its GGUF
-  bytes as a uint8 tensor), and decode rows read it with dequant_gemv. Prompts (and every matrix
-  of a type without a kernel) multiply a dequantized copy with torch.matmul (fp16 on CUDA, fp32 on
-  the CPU), made once at load.
+- Weights: a matrix whose GGUF type has Triton kernels (kernels.cuda.GEMV_TYPES) stays quantized
+  (its GGUF bytes as a uint8 tensor): decode rows read it with dequant_gemv, and a prompt
+  dequantizes it into one scratch buffer shared by all matrices (the largest one's size) and
+  multiplies with torch.matmul (fp16 on CUDA). Only types without those kernels keep a dequantized
+  copy, made once at load. So device memory is about the file's size plus the KV cache.
 - KV cache: one float16 tensor per layer for K and for V, (n_blocks, block_size, Hkv, hd), paged
   by the block tables of core.kv_cache.
 - Attention: the Triton kernels (flash prefill over the paged cache, split-KV flash decoding).
+- Decode steps (one new token per sequence) run as one batched step on fixed-shape inputs, which
+  DecodeGraphs captures in CUDA graphs per batch size on a GPU; padding rows of a captured batch
+  write and read only the cache's extra pad block.
 
 Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
@@ -26,43 +30,69 @@ import torch
 from kernels.cpu import dequantize
 from kernels.cuda import GEMV_TYPES
 from kernels.cuda.attention import attention_decode, attention_prefill, write_kv
+from kernels.cuda.dequant import dequantize_rows
 from kernels.cuda.dequant_gemv import dequant_gemv
 from kernels.cuda.norm_rope import norm_rope, rms_norm, rope
 from models.gguf_file import GGUFFile
 from models.transformer import DecoderConfig
 
-# Rows of a forward pass up to which matrices with a GEMV kernel are read quantized (decode, a
-# speculative check, a small batch step); more rows multiply the dequantized copy.
+# Rows of a forward pass up to which quantized matrices are read by the GEMV kernel (decode, a
+# speculative check, a small batch step); more rows dequantize the matrix and use torch.matmul.
 GEMV_MAX_ROWS = 8
-# Triton's interpreter (the CPU device) runs a kernel as numpy operations on whole tiles, so the
-# GEMV costs tens of numpy operations per weight: there only matrices up to this many weights take
-# it (all of the tests' tiny models), the rest multiply the dequantized copy.
+# Triton's interpreter (the CPU device) runs a kernel as numpy operations on whole tiles, so its
+# kernels cost tens of numpy operations per weight: there only matrices up to this many weights
+# stay quantized (all of the tests' tiny models); bigger ones keep a dense copy made at load.
 INTERPRETED_GEMV_MAX_WEIGHTS = 1 << 18
+# The batch sizes whose decode step is captured in a CUDA graph (a batch is padded to the next).
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+class Scratch:
+    """One device buffer that prompts dequantize quantized matrices into, one matrix at a time."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def matrix(self, n_rows: int, n_cols: int) -> torch.Tensor:
+        return self.buffer[:n_rows * n_cols].view(n_rows, n_cols)
 
 
 class TorchMatrix:
-    """One weight matrix (N rows of K) on the device: its GGUF blocks for dequant_gemv (where that
-    kernel takes the type) and a dequantized copy for torch.matmul."""
+    """One weight matrix (N rows of K) on the device: its GGUF blocks where the Triton kernels read
+    the type (quantized), else a dequantized copy (dense)."""
 
     def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, scratch: Scratch):
         self.ggml_type, self.n_rows, self.n_cols = int(ggml_type), int(n_rows), int(n_cols)
-        self.quantized = None
+        self.dtype, self.scratch = dtype, scratch
+        self.quantized = self.dense = None
         small = n_rows * n_cols <= INTERPRETED_GEMV_MAX_WEIGHTS
         if self.ggml_type in GEMV_TYPES and (device.type == "cuda" or small):
             blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
             self.quantized = torch.from_numpy(blocks.copy()).to(device)          # (N, row bytes) uint8
-        self.dense = torch.from_numpy(dequantize(raw, self.ggml_type, n_cols)).to(device, dtype)   # (N, K)
+        else:
+            self.dense = torch.from_numpy(dequantize(raw, self.ggml_type, n_cols)).to(device, dtype)   # (N, K)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) -> x @ W.T (M, N) float32."""
-        if self.quantized is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        if self.quantized is None:
+            w = self.dense
+        elif x.shape[0] <= GEMV_MAX_ROWS:
             return dequant_gemv(self.quantized, self.ggml_type, self.n_cols, x.float())
-        return (x.to(self.dense.dtype) @ self.dense.T).float()
+        else:
+            w = dequantize_rows(self.quantized, self.ggml_type, self.n_cols, dtype=self.dtype,
+                                out=self.scratch.matrix(self.n_rows, self.n_cols))
+        return (x.to(w.dtype) @ w.T).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ids (T,) as float32 (T, K): an embedding lookup."""
+        if self.quantized is None:
+            return self.dense[ids].float()
+        return dequantize_rows(self.quantized, self.ggml_type, self.n_cols, rows=ids, dtype=torch.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.dense.nbytes + (self.quantized.nbytes if self.quantized is not None else 0)
+        return (self.dense if self.quantized is None else self.quantized).nbytes
 
 
 @dataclass
@@ -94,11 +124,12 @@ class TorchDecoder:
         self.cfg, self.device = cfg, device
         self.dtype = torch.float16 if device.type == "cuda" else torch.float32
         data = {t.name: t.data for t in g.reader.tensors}
+        self.scratch = Scratch()
 
         def matrix(name: str) -> TorchMatrix:
             info = g.tensors[name]
             return TorchMatrix(data[name], info.ggml_type, int(np.prod(info.shape[1:])), info.shape[0], device,
-                               self.dtype)
+                               self.dtype, self.scratch)
 
         def vector(name: str) -> torch.Tensor | None:
             if name not in g.tensors:
@@ -124,76 +155,176 @@ class TorchDecoder:
                 progress("loading weights", il + 1, cfg.n_layer)
         self.output_norm = vector("output_norm.weight")
         self.output = matrix("output.weight") if "output.weight" in g.tensors else self.tok_embd
+        biggest = max((m.n_rows * m.n_cols for m in self.matrices() if m.quantized is not None), default=0)
+        self.scratch.buffer = torch.empty(biggest, dtype=self.dtype, device=device)
+
+    def matrices(self):
+        yield self.tok_embd
+        if self.output is not self.tok_embd:
+            yield self.output
+        for layer in self.layers:
+            yield from (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
 
     @property
     def nbytes(self) -> int:
-        mats = [self.tok_embd] + ([self.output] if self.output is not self.tok_embd else [])
-        mats += [m for layer in self.layers for m in (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate,
-                                                      layer.w_up, layer.w_down)]
-        return sum(m.nbytes for m in mats)
+        return sum(m.nbytes for m in self.matrices())
 
     def new_cache(self, n_blocks: int, block_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K and V, per layer (n_blocks, block_size, Hkv, hd) float16 on the device."""
+        """K and V, per layer (n_blocks + 1, block_size, Hkv, hd) float16 on the device. The extra
+        last block, which the cache's pool never hands out, is where padding rows of a decode
+        step write and read (see decode_inputs)."""
         cfg = self.cfg
-        shape = (n_blocks, block_size, cfg.n_head_kv, cfg.head_dim)
+        shape = (n_blocks + 1, block_size, cfg.n_head_kv, cfg.head_dim)
         new = lambda: [torch.zeros(shape, dtype=torch.float16, device=self.device) for _ in range(cfg.n_layer)]  # noqa: E731
         return new(), new()
+
+    def _layer(self, layer: TorchLayer, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer on x (T, D) at positions (T,); attend(q (T, Hq, hd) fp16, k, v (T, Hkv, hd))
+        stores k and v in the cache and returns attention's output (T, Hq, hd)."""
+        cfg = self.cfg
+        T, Hq, Hkv, hd = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
+        q, k, v = layer.wq(h), layer.wk(h), layer.wv(h)                            # (T, Hq*hd), (T, Hkv*hd) x2
+        if layer.bq is not None:
+            q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+        q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, positions, layer.rope_base,
+                      cfg.rope_neox, cfg.n_rot)                                    # (q_norm None: rope alone)
+        k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, positions, layer.rope_base,
+                      cfg.rope_neox, cfg.n_rot)
+        if cfg.scale_q:
+            q = q * cfg.attn_scale
+        q = q.to(torch.float16)   # tl.dot takes q in the cache's dtype (llama.cpp too rounds q to f16)
+        o = attend(q, k, v.view(T, Hkv, hd))                                       # (T, Hq, hd)
+        o = layer.wo(o.reshape(T, Hq * hd))
+        if layer.post_attn_norm is not None:
+            o = rms_norm(o, layer.post_attn_norm, cfg.norm_eps)
+        x = x + o
+        h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
+        gate, up = layer.w_gate(h), layer.w_up(h)                                  # (T, F) x2
+        act = (torch.nn.functional.gelu(gate, approximate="tanh") if cfg.activation == "geglu_tanh"
+               else torch.nn.functional.silu(gate))
+        d = layer.w_down(act * up)
+        if layer.post_ffn_norm is not None:
+            d = rms_norm(d, layer.post_ffn_norm, cfg.norm_eps)
+        return x + d
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embd.rows(ids)                                                # (T, D)
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def _kq_scale(self) -> float:
+        return 1.0 if self.cfg.scale_q else self.cfg.attn_scale
 
     def forward(self, tokens: Sequence[int], segments: Sequence[tuple], all_rows: bool = False) -> torch.Tensor:
         """tokens (T,) in segment order; segments (kv, start_pos, n_tokens): a sequence of
         core.kv_cache whose cache slots for these tokens are held (kv.k_cache[il] are this model's
         tensors). Returns float32 logits: every row (T, n_vocab) with all_rows, else each
-        segment's last row (len(segments), n_vocab)."""
-        cfg, dev = self.cfg, self.device
-        T, Hq, Hkv, hd = len(tokens), cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        segment's last row (len(segments), n_vocab). A step of one token per sequence is a
+        decode_step."""
+        if all(n == 1 for _, _, n in segments):
+            kv = segments[0][0]
+            return self.decode_step(*self.decode_inputs(tokens, segments), kv.k_cache, kv.v_cache)
+        dev = self.device
         ids = torch.as_tensor(np.asarray(tokens, np.int64), device=dev)
-        x = self.tok_embd.dense[ids].float()                                      # (T, D)
-        if cfg.embed_scale != 1.0:
-            x = x * cfg.embed_scale
         positions = torch.cat([torch.arange(s, s + n, device=dev) for _, s, n in segments])
         tables = [torch.as_tensor(kv.block_table, device=dev) for kv, _, _ in segments]
-        q_scale, kq_scale = (cfg.attn_scale, 1.0) if cfg.scale_q else (1.0, cfg.attn_scale)
+        x = self._embed(ids)
         for il, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
-            q, k, v = layer.wq(h), layer.wk(h), layer.wv(h)                        # (T, Hq*hd), (T, Hkv*hd) x2
-            if layer.bq is not None:
-                q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-            q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, positions, layer.rope_base,
-                          cfg.rope_neox, cfg.n_rot) if layer.q_norm is not None else \
-                rope(q.view(T, Hq, hd), positions, layer.rope_base, cfg.rope_neox, cfg.n_rot)
-            k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, positions, layer.rope_base,
-                          cfg.rope_neox, cfg.n_rot) if layer.k_norm is not None else \
-                rope(k.view(T, Hkv, hd), positions, layer.rope_base, cfg.rope_neox, cfg.n_rot)
-            if q_scale != 1.0:
-                q = q * q_scale
-            q = q.to(torch.float16)   # tl.dot takes q in the cache's dtype (llama.cpp too rounds q to f16)
-            v = v.view(T, Hkv, hd)
-            o = torch.empty(T, Hq, hd, dtype=torch.float32, device=dev)
-            row = 0
-            for (kv, start, n), table in zip(segments, tables):
-                kc, vc = kv.k_cache[il], kv.v_cache[il]
-                rows = slice(row, row + n)
-                write_kv(kc, vc, table, start, k[rows], v[rows])
-                if n == 1:
-                    seq_len = torch.tensor([start + 1], dtype=torch.int32, device=dev)
-                    o[rows] = attention_decode(q[rows], kc, vc, table.view(1, -1), seq_len, kq_scale, layer.window)
-                else:
-                    o[rows] = attention_prefill(q[rows].contiguous(), kc, vc, table, start, kq_scale, layer.window)
-                row += n
-            o = layer.wo(o.reshape(T, Hq * hd))
-            if layer.post_attn_norm is not None:
-                o = rms_norm(o, layer.post_attn_norm, cfg.norm_eps)
-            x = x + o
-            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
-            gate, up = layer.w_gate(h), layer.w_up(h)                              # (T, F) x2
-            act = (torch.nn.functional.gelu(gate, approximate="tanh") if cfg.activation == "geglu_tanh"
-                   else torch.nn.functional.silu(gate))
-            d = layer.w_down(act * up)
-            if layer.post_ffn_norm is not None:
-                d = rms_norm(d, layer.post_ffn_norm, cfg.norm_eps)
-            x = x + d
+            def attend(q, k, v):
+                o = torch.empty(q.shape, dtype=torch.float32, device=dev)
+                row = 0
+                for (kv, start, n), table in zip(segments, tables):   # each sequence its own paged cache
+                    kc, vc, rows = kv.k_cache[il], kv.v_cache[il], slice(row, row + n)
+                    write_kv(kc, vc, table, start, k[rows], v[rows])
+                    o[rows] = attention_prefill(q[rows].contiguous(), kc, vc, table, start, self._kq_scale(),
+                                                layer.window)
+                    row += n
+                return o
+            x = self._layer(layer, x, positions, attend)
         if not all_rows:
             ends = torch.as_tensor(np.cumsum([n for _, _, n in segments]) - 1, device=dev)
             x = x[ends]
-        return self.output(rms_norm(x, self.output_norm, cfg.norm_eps))          # (rows, n_vocab)
+        return self.output(rms_norm(x, self.output_norm, self.cfg.norm_eps))      # (rows, n_vocab)
 
+    def decode_inputs(self, tokens: Sequence[int], segments: Sequence[tuple], batch: int | None = None,
+                      width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's inputs on the device: ids (B,) int64, positions (B,) int64 and block
+        tables (B, width) int32, padded to `batch` rows (and `width` blocks) with rows at position
+        0 of the cache's pad block (its last: new_cache), which no sequence owns."""
+        kv = segments[0][0]
+        pad = kv.k_cache[0].shape[0] - 1
+        B = batch or len(segments)
+        width = width or max(len(s[0].block_table) for s in segments)
+        tables = np.full((B, width), pad, np.int32)
+        positions = np.zeros(B, np.int64)
+        ids = np.zeros(B, np.int64)
+        for i, (seq, start, _) in enumerate(segments):
+            tables[i, :len(seq.block_table)] = seq.block_table
+            positions[i], ids[i] = start, tokens[i]
+        dev = self.device
+        return (torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev),
+                torch.from_numpy(tables).to(dev))
+
+    def decode_step(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                    k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One new token per sequence: ids, positions (B,), tables (B, W) -> logits (B, n_vocab).
+        Every shape is fixed by (B, W) and nothing reads a value back to the host, so a CUDA graph
+        can capture it: K and V go to their cells by an index on the device, and attention's split
+        count comes from the table width, not from the sequences' lengths."""
+        bs = k_cache[0].shape[1]
+        seq_lens = (positions + 1).to(torch.int32)                                 # (B,)
+        cells = tables.gather(1, (positions // bs).view(-1, 1)).view(-1).long() * bs + positions % bs   # (B,)
+        max_kv = tables.shape[1] * bs
+        x = self._embed(ids)                                                       # (B, D)
+        for il, layer in enumerate(self.layers):
+            kc, vc = k_cache[il], v_cache[il]
+
+            def attend(q, k, v):
+                kc.view(-1, *kc.shape[2:])[cells] = k.to(kc.dtype)
+                vc.view(-1, *vc.shape[2:])[cells] = v.to(vc.dtype)
+                return attention_decode(q, kc, vc, tables, seq_lens, self._kq_scale(), layer.window,
+                                        max_kv=max_kv).float()
+            x = self._layer(layer, x, positions, attend)
+        return self.output(rms_norm(x, self.output_norm, self.cfg.norm_eps))      # (B, n_vocab)
+
+
+class DecodeGraphs:
+    """Decode steps replayed from CUDA graphs: one graph per batch size of GRAPH_BATCHES (captured
+    on first use), on static input buffers of the cache's full table width, so a step launches
+    one graph instead of some ten kernels per layer from Python. A batch is padded to the next
+    captured size with pad rows (TorchDecoder.decode_inputs). Only on CUDA; bound to one cache's
+    tensors (a new cache needs a new DecodeGraphs)."""
+
+    def __init__(self, model: TorchDecoder, k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
+                 n_ctx: int):
+        self.model, self.k_cache, self.v_cache = model, k_cache, v_cache
+        self.width = -(-n_ctx // k_cache[0].shape[1]) + 1
+        self.graphs: dict[int, tuple] = {}          # batch -> (graph, (ids, positions, tables), logits)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _capture(self, B: int) -> tuple:
+        pad = self.k_cache[0].shape[0] - 1
+        static = (torch.zeros(B, dtype=torch.int64, device=self.model.device),
+                  torch.zeros(B, dtype=torch.int64, device=self.model.device),
+                  torch.full((B, self.width), pad, dtype=torch.int32, device=self.model.device))
+        step = lambda: self.model.decode_step(*static, self.k_cache, self.v_cache)   # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                # warm-up: Triton compiles, allocator settles
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        return graph, static, logits
+
+    def __call__(self, tokens: Sequence[int], segments: Sequence[tuple]) -> torch.Tensor:
+        """The logits (len(segments), n_vocab) of a decode step, from a replayed graph."""
+        B = next(b for b in GRAPH_BATCHES if b >= len(segments))
+        if B not in self.graphs:
+            self.graphs[B] = self._capture(B)
+        graph, static, logits = self.graphs[B]
+        for buf, value in zip(static, self.model.decode_inputs(tokens, segments, B, self.width)):
+            buf.copy_(value)
+        graph.replay()
+        return logits[:len(segments)]

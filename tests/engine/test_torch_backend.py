@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from core.native_backend import NativeBackend
-from core.torch_backend import TorchBackend, check_device
+from core.sampler import Sampler
+from core.torch_backend import TorchBackend, check_device, device_bytes
 from core.types import SamplingParams
 from models.errors import BadInputError
 
@@ -61,8 +62,8 @@ def test_prefix_reuse_verify_rollback_and_batch(tiny_model):
     """The Backend protocol on the torch engine: a reused prefix gives the logits a cold run gives;
     a verified draft gives each row's one-token logits, and rolling it back leaves the cache as
     before; a batch step gives each sequence what it gets alone. Each within the tolerance above:
-    a pass of more than GEMV_MAX_ROWS rows multiplies the dense weights, a smaller one runs the GEMV,
-    and prefill and decode attention sum in different orders."""
+    a pass of more than GEMV_MAX_ROWS rows multiplies dequantized weights, a smaller one runs the
+    GEMV, and prefill and decode attention sum in different orders."""
     torch_be, _ = engines(tiny_model, "qwen2", "Q8_0")
     cold = torch_be.extend(IDS)
     torch_be.rollback(0)                                               # its full blocks stay registered
@@ -82,7 +83,7 @@ def test_prefix_reuse_verify_rollback_and_batch(tiny_model):
     both = torch_be.forward_batch([(a, IDS[:17]), (b, IDS[5:9])])      # (2, n_vocab): a prefill and a short one
     alone_a = torch_be.forward_batch([(torch_be.new_sequence(), IDS[:17])])
     alone_b = torch_be.forward_batch([(torch_be.new_sequence(), IDS[5:9])])
-    close(both, np.concatenate([alone_a, alone_b]))   # (21 rows read the dense weights, 4 rows the GEMV)
+    close(both, np.concatenate([alone_a, alone_b]))   # (21 rows read dequantized weights, 4 rows the GEMV)
     step = torch_be.forward_batch([(a, [IDS[17]]), (b, [IDS[9]])])   # then a decode step of both
     assert step.shape == both.shape and np.isfinite(step).all()
 
@@ -120,3 +121,118 @@ def test_models_info_names_the_types_dequantized_at_load(tiny_model):
     g, tok = tiny_model("qwen2", "Q4_K")
     assert g.info()["torch_dequantized"] == []
     assert TorchBackend(g, tok, 64, "cpu").model.layers[0].wq.quantized is not None
+
+
+def test_sampling_on_the_device_picks_the_host_samplers_tokens(tiny_model):
+    """generate on the torch engine samples where its logits are (Backend.extend_sample): with a
+    seed it picks what core.sampler picks from the same logits copied to the host."""
+    torch_be, _ = engines(tiny_model, "llama", "Q8_0")
+    params = SamplingParams(temperature=4.0, top_k=0, seed=11, max_tokens=12, logit_bias=((2, -100.0),))
+    ours = [e.id for e in torch_be.generate(IDS[:10], params)]
+    torch_be.reset()
+    sampler = Sampler(params, torch_be.tokenizer.n_vocab)
+    sampler.remember(IDS[:10])
+    theirs = [sampler.sample(torch_be.extend(IDS[:10]))]
+    while len(theirs) < 12:
+        theirs.append(sampler.sample(torch_be.extend([theirs[-1]])))
+    assert ours == theirs and len(set(ours)) > 3
+
+
+def test_decode_step_padding_is_invisible(tiny_model):
+    """A decode step padded to a captured batch size and the full table width (as the CUDA graphs
+    run it, here eagerly) gives the real rows the unpadded step's logits exactly, and its pad rows
+    write nothing but the cache's pad block."""
+    import torch
+    torch_be, _ = engines(tiny_model, "llama", "Q8_0")
+    torch_be.reserve_sequences(3)
+    seqs = [torch_be.new_sequence() for _ in range(3)]
+    for seq, n in zip(seqs, (5, 17, 9)):
+        torch_be.forward_batch([(seq, IDS[:n])])
+    segments = [(seq, seq.n_tokens, 1) for seq in seqs]
+    for seq in seqs:
+        seq.append_slots(1)
+    m, k, v = torch_be.model, torch_be.cache.k, torch_be.cache.v
+    with torch.inference_mode():
+        plain = m.decode_step(*m.decode_inputs(IDS[30:33], segments), k, v)
+        k_plain = [t.clone() for t in k]
+        padded = m.decode_step(*m.decode_inputs(IDS[30:33], segments, batch=4, width=9), k, v)
+    assert torch.equal(padded[:3], plain)
+    for before, after in zip(k_plain, k):
+        assert torch.equal(before[:-1], after[:-1])                     # the last block is the pad block
+
+
+def test_weights_stay_quantized_and_the_memory_estimate_covers_them(tiny_model):
+    """Matrices of the types the Triton kernels read keep only their GGUF blocks (a prompt
+    dequantizes one matrix at a time into the shared scratch buffer), so the weights take the
+    file's bytes; device_bytes, which --device auto holds against free GPU memory, covers them,
+    the KV cache and the scratch buffer in float16."""
+    g, tok = tiny_model("qwen2", "Q4_K")
+    torch_be = TorchBackend(g, tok, 128, "cpu")
+    m = torch_be.model
+    assert all(x.dense is None for x in m.matrices())
+    assert m.nbytes == sum(t.n_bytes for t in g.tensors.values() if len(t.shape) == 2)
+    kv = sum(t.nbytes for t in torch_be.cache.k + torch_be.cache.v)
+    assert device_bytes(g, 128) >= m.nbytes + kv + m.scratch.buffer.numel() * 2
+
+
+GPU = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def on_gpu(script: str, *args: str) -> subprocess.CompletedProcess:
+    """A GPU check in its own process: this one has Triton in its interpreter for the CPU tests."""
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@GPU
+def test_cuda_graph_decode_equals_eager(tiny_model):
+    """Decode steps replayed from CUDA graphs (batch 1 and a batch of 3 padded to 4) give eager
+    decoding's logits (the split count differs with the table width, hence the tolerance) and
+    its greedy tokens."""
+    g, _ = tiny_model("qwen2", "Q4_K")
+    on_gpu("""
+import sys, numpy as np
+from core.tokenizer import Tokenizer
+from core.torch_backend import TorchBackend
+from models.gguf_file import open_model
+g = open_model(sys.argv[1]); tok = Tokenizer.from_gguf(g)
+eager, graphed = TorchBackend(g, tok, 128, "cuda"), TorchBackend(g, tok, 128, "cuda")
+eager.use_graphs = False
+outs = []
+for be in (eager, graphed):
+    be.reserve_sequences(3)
+    seqs = [be.new_sequence() for _ in range(3)]
+    rows = [be.forward_batch([(s, list(range(3, 3 + n)))])[0] for s, n in zip(seqs, (5, 17, 9))]
+    tokens = [int(r.argmax()) for r in rows]
+    got = [be.extend([7]) for _ in range(4)]                          # batch 1
+    for _ in range(6):                                               # batch 3 (graph of 4)
+        step = be.forward_batch([(s, [t]) for s, t in zip(seqs, tokens)])
+        tokens = [int(r.argmax()) for r in step]
+        got.append(step)
+    outs.append(got)
+for a, b in zip(*outs):
+    assert np.abs(a - b).max() <= 0.01 * np.abs(a).max() and (a.argmax(-1) == b.argmax(-1)).all()
+assert graphed._graphs is not None and sorted(graphed._graphs.graphs) == [1, 4]
+""", str(g.path))
+
+
+@GPU
+def test_out_of_gpu_memory_is_one_line_and_auto_falls_back_to_the_cpu(tiny_model):
+    """With the process allowed almost no GPU memory, loading runs out of it: --device auto says so
+    on stderr and runs the CPU engine; --device cuda is a BadInputError (exit 2)."""
+    g, _ = tiny_model("qwen2", "Q8_0")
+    proc = on_gpu("""
+import sys, torch
+torch.cuda.set_per_process_memory_fraction(1e-6)
+from core.engine import Engine
+from models.errors import BadInputError
+engine = Engine(sys.argv[1], device="auto", n_ctx=64)
+assert engine.backend_name == "native" and engine.device == "cpu"
+try:
+    Engine(sys.argv[1], device="cuda", n_ctx=64)
+    raise SystemExit("no error")
+except BadInputError as e:
+    assert "out of GPU memory" in str(e) and "\n" not in str(e)
+""", str(g.path))
+    assert proc.stderr.count("out of GPU memory") == 1 and "running on the CPU" in proc.stderr
