@@ -1,7 +1,9 @@
 """`kvchat bench`: llama-bench's tests (pp N, tg N, tg N at depth D) plus TTFT, with backends interleaved.
 
 Each round runs every backend once, test by test, so a slow patch of a noisy machine hits them
-alike and their ratio holds. Decode GB/s = weight bytes read per token x tokens/s.
+alike and their ratio holds. Decode GB/s = weight bytes read per token x tokens/s; a row on CUDA
+also gives it as a share of the card's peak memory bandwidth. With the torch engine on CUDA, HF
+transformers (where installed) runs the same GGUF on the same prompt ids as a peer (app.bench_hf).
 """
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import time
 
 import numpy as np
 
-from core.types import SamplingParams
+from app.bench_hf import time_transformers
+from app.bench_hf import weight_bytes_per_token as hf_weight_bytes_per_token
 from core.engine import BACKEND_NAMES, cuda_available
+from core.sampler import Sampler
+from core.types import SamplingParams
 from models import registry
 from models.errors import BadInputError
 
@@ -28,6 +33,39 @@ def weight_bytes_per_token(gguf) -> int:
     return total
 
 
+def torch_weight_bytes_per_token(gguf) -> int:
+    """weight_bytes_per_token as the torch engine keeps the weights on CUDA (quantized where its
+    kernels read the type, else float16: core.torch_backend.cuda_tensor_bytes)."""
+    from core.torch_backend import cuda_tensor_bytes
+    total = sum(cuda_tensor_bytes(t) for t in gguf.tensors.values())
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is not None and "output.weight" in gguf.tensors:
+        total -= cuda_tensor_bytes(embd)
+    return total
+
+
+def peak_bandwidth_gb_s(memory_clock_khz: float, bus_width_bits: int) -> float:
+    """A card's peak memory bandwidth in GB/s: its memory clock (kHz, as CUDA reports it) x 2
+    transfers a clock (double data rate) x the bus width in bytes."""
+    return 2 * memory_clock_khz * 1e3 * bus_width_bits / 8 / 1e9
+
+
+def card_bandwidth_gb_s(device_index: int = 0) -> tuple[str, float] | None:
+    """(name, peak memory bandwidth in GB/s) of CUDA device `device_index`, or None without one
+    (or when the driver reports no memory clock or bus width)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device_index)
+    clock, bus = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if not clock or not bus:
+        return None
+    return props.name, peak_bandwidth_gb_s(clock, bus)
+
+
 def random_prompt(rng: np.random.Generator, n: int, n_vocab: int, avoid: frozenset[int]) -> list[int]:
     ids = rng.integers(0, n_vocab, size=n).tolist()
     return [i if i not in avoid else 0 for i in ids]
@@ -36,7 +74,6 @@ def random_prompt(rng: np.random.Generator, n: int, n_vocab: int, avoid: frozens
 def time_prefill(engine, ids: list[int]) -> tuple[float, float]:
     """Seconds for prefill of `ids` from an empty cache, and seconds to the first sampled token."""
     params = SamplingParams(temperature=0, max_tokens=1)
-    t0 = time.perf_counter()
     for _ in engine.backend.generate(ids, params):
         pass
     timings = engine.backend.timings
@@ -53,12 +90,11 @@ def time_decode(engine, first: int, n_gen: int, context: list[int] | None = None
     ids = list(context or []) + [first]
     for start in range(0, len(ids) - 1, 512):
         backend.extend(ids[start:min(start + 512, len(ids) - 1)])
-    logits = backend.extend(ids[-1:])
+    greedy = Sampler(SamplingParams(temperature=0), backend.tokenizer.n_vocab)
+    token = backend.extend_sample(ids[-1:], greedy)
     t0 = time.perf_counter()
-    token = first
-    for _ in range(n_gen):
-        token = int(np.argmax(logits))
-        logits = backend.extend([token])
+    for _ in range(n_gen):         # the backend picks each token where its logits are (a GPU's: on it)
+        token = backend.extend_sample([token], greedy)
     return time.perf_counter() - t0
 
 
@@ -199,7 +235,7 @@ def bench_processes(model: str, prompts: list[str], n_gen: int, parallel: int, t
         common += ["--threads", str(threads)]
 
     def run(cmd: list[str]) -> str:
-        proc = subprocess.run(cli + cmd, capture_output=True, text=True)
+        proc = subprocess.run(cli + cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"kvchat {cmd[0]} failed: {proc.stderr.strip()[-300:]}")
         return proc.stdout
@@ -299,6 +335,9 @@ def cmd_bench(args) -> int:
                                2048 if (args.multiturn or args.speculative) else 0) + 64
     if args.depth + args.n_gen + 1 > args.ctx:
         raise BadInputError(f"--depth {args.depth} + -n {args.n_gen} do not fit --ctx {args.ctx}")
+    if "torch" in names and args.device == "cuda":
+        from core.engine import pick_backend
+        pick_backend("torch", "cuda")          # no CUDA: one line and exit 2 before any model loads
     engines, device = {}, args.device
     for name in names:
         args.backend, args.device = name, (device if name == "torch" else "cpu")
@@ -307,48 +346,67 @@ def cmd_bench(args) -> int:
         return cmd_bench_batch(args, engines)
     if args.multiturn or args.speculative:
         return cmd_bench_modes(args, engines)
-    n_vocab = next(iter(engines.values())).tokenizer.n_vocab
-    avoid = next(iter(engines.values())).tokenizer.eog_ids
-    gguf = next(iter(engines.values())).gguf
-    bytes_per_token = weight_bytes_per_token(gguf)
+    first = next(iter(engines.values()))
+    n_vocab, avoid, gguf = first.tokenizer.n_vocab, first.tokenizer.eog_ids, first.gguf
+    devices = {name: engine.device for name, engine in engines.items()}
+    bytes_per_token = {name: (torch_weight_bytes_per_token(gguf) if devices[name] == "cuda"
+                              else weight_bytes_per_token(gguf)) for name in engines}
+    hf = None
+    if devices.get("torch") == "cuda":
+        hf = load_transformers_peer(first.path)
+        if hf is not None:
+            devices["transformers"] = "cuda"
+            bytes_per_token["transformers"] = hf_weight_bytes_per_token(hf)
     rng = np.random.default_rng(0)
 
     # warm-up: compile kernels, fault in pages
     for engine in engines.values():
         time_prefill(engine, random_prompt(rng, min(args.n_prompt, 64), n_vocab, avoid))
         time_decode(engine, 1, 4)
+    if hf is not None:
+        time_transformers(hf, random_prompt(rng, min(args.n_prompt, 64), n_vocab, avoid), 4, "cuda")
 
     samples: dict[tuple[str, str], list[float]] = {}
     pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}" + (f"@d{args.depth}" if args.depth else "")
     for rep in range(args.repetitions):
-        for name, engine in engines.items():
+        for name in devices:
             prompt = random_prompt(rng, args.n_prompt, n_vocab, avoid)
-            prompt_s, ttft_s = time_prefill(engine, prompt)
+            context = random_prompt(rng, args.depth, n_vocab, avoid) if args.depth else None
+            if name == "transformers":
+                prompt_s, ttft_s, decode_s = time_transformers(hf, prompt, args.n_gen, "cuda", context)
+            else:
+                prompt_s, ttft_s = time_prefill(engines[name], prompt)
+                decode_s = time_decode(engines[name], prompt[0], args.n_gen, context)
             samples.setdefault((name, pp), []).append(args.n_prompt / prompt_s)
             samples.setdefault((name, "ttft"), []).append(ttft_s * 1000)
-            context = random_prompt(rng, args.depth, n_vocab, avoid) if args.depth else None
-            decode_s = time_decode(engine, prompt[0], args.n_gen, context)
             samples.setdefault((name, tg), []).append(args.n_gen / decode_s)
             print(f"round {rep + 1}/{args.repetitions} {name}: {pp} {args.n_prompt / prompt_s:.1f} t/s, "
                   f"{tg} {args.n_gen / decode_s:.1f} t/s", file=sys.stderr)
 
+    card = card_bandwidth_gb_s() if "cuda" in devices.values() else None
+    names = list(devices)
     rows = []
     for (name, test), values in samples.items():
         mean = statistics.fmean(values)
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         row = {"backend": name, "test": test, "t_s_mean": None, "t_s_sd": None, "n": len(values), "gb_s": None,
-               "model": model, "device": engines[name].device, "threads": args.threads}
+               "model": model, "device": devices[name], "threads": args.threads}
         if test == "ttft":
             row.update(ms_mean=round(mean, 2), ms_sd=round(sd, 2), t_s_mean=round(args.n_prompt / (mean / 1000), 2))
             row["t_s_sd"] = 0.0
         else:
             row.update(t_s_mean=round(mean, 2), t_s_sd=round(sd, 2))
             if test == tg:
-                row["gb_s"] = round(mean * bytes_per_token / 1e9, 2)
+                row["gb_s"] = round(mean * bytes_per_token[name] / 1e9, 2)
                 row["tpot_ms"] = round(1000 / mean, 2)
+                if card is not None and devices[name] == "cuda":
+                    row.update(gpu=card[0], peak_gb_s=round(card[1], 1),
+                               pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / card[1], 1))
         rows.append(row)
     order = {pp: 0, tg: 1, "ttft": 2}
     rows.sort(key=lambda r: (order[r["test"]], names.index(r["backend"])))
+    if card is not None:
+        print(f"GPU: {card[0]}, peak memory bandwidth {card[1]:.0f} GB/s", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -361,24 +419,54 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def print_table(rows: list[dict], names: list[str], bytes_per_token: int) -> None:
-    print(f"{'backend':<10} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}")
+def load_transformers_peer(path):
+    """HF transformers on the same GGUF on CUDA, or None (said on stderr) when it is not installed
+    or cannot load this file."""
+    from app.bench_hf import load_transformers, transformers_installed
+    if not transformers_installed():
+        print("transformers is not installed: the HF transformers peer is skipped", file=sys.stderr)
+        return None
+    try:
+        return load_transformers(path, "cuda")
+    except Exception as e:   # noqa: BLE001 - a type or architecture transformers' GGUF loader lacks: bench the rest
+        print(f"transformers could not load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+              "the HF transformers peer is skipped", file=sys.stderr)
+        return None
+
+
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """(backend, base) pairs the ratio lines compare: every engine against the last engine named,
+    and the torch engine against HF transformers when that peer ran."""
+    engines = [n for n in names if n != "transformers"]
+    pairs = [(name, engines[-1]) for name in engines[:-1]] if engines else []
+    if "transformers" in names and "torch" in engines:
+        pairs.append(("torch", "transformers"))
+    return pairs
+
+
+def print_table(rows: list[dict], names: list[str], bytes_per_token: dict[str, int]) -> None:
+    peak = any("pct_of_peak" in r for r in rows)
+    print(f"{'backend':<12} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}" + (f" {'% peak':>6}" if peak else ""))
     for r in rows:
         ts = f"{r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f}"
         ms = f"{r['ms_mean']:.1f} ± {r['ms_sd']:.1f}" if "ms_mean" in r else (f"{r['tpot_ms']:.2f} tpot" if "tpot_ms" in r else "")
         gb = f"{r['gb_s']:.1f}" if r["gb_s"] is not None else ""
-        print(f"{r['backend']:<10} {r['test']:<8} {ts:>16} {ms:>16} {gb:>7}")
-    if len(names) > 1:
-        base = names[-1]
-        for test in dict.fromkeys(r["test"] for r in rows):
-            by = {r["backend"]: r for r in rows if r["test"] == test}
-            for name in names[:-1]:
-                if test == "ttft":
-                    ratio = by[base]["ms_mean"] / by[name]["ms_mean"]
-                else:
-                    ratio = by[name]["t_s_mean"] / by[base]["t_s_mean"]
-                print(f"{name} vs {base} {test}: {ratio:.2f}x")
-    print(f"(weights read per decoded token: {bytes_per_token / 1e9:.3f} GB)")
+        pct = f" {r['pct_of_peak']:>5.1f}%" if "pct_of_peak" in r else ""
+        print(f"{r['backend']:<12} {r['test']:<8} {ts:>16} {ms:>16} {gb:>7}{pct}")
+    for test in dict.fromkeys(r["test"] for r in rows):
+        by = {r["backend"]: r for r in rows if r["test"] == test}
+        for name, base in ratio_pairs(names):
+            if test == "ttft":
+                ratio = by[base]["ms_mean"] / by[name]["ms_mean"]
+            else:
+                ratio = by[name]["t_s_mean"] / by[base]["t_s_mean"]
+            print(f"{name} vs {base} {test}: {ratio:.2f}x")
+    sizes = dict.fromkeys(bytes_per_token.values())
+    if len(sizes) == 1:
+        print(f"(weights read per decoded token: {next(iter(sizes)) / 1e9:.3f} GB)")
+    else:
+        print("(weights read per decoded token: " +
+              ", ".join(f"{name} {n / 1e9:.3f} GB" for name, n in bytes_per_token.items()) + ")")
 
 
 def plot(rows: list[dict], path: str, model: str) -> None:
