@@ -33,7 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     from models.registry import DEFAULT_MODEL
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
     p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
-                   help="inference engine (default: native, kvchat's own CPU engine; torch: its GPU engine)")
+                   help="inference engine (default: auto: kvchat's own engine for every file it runs, llama.cpp "
+                        "for the rest; native: kvchat's CPU engine; torch: its GPU engine)")
     p.add_argument("--device", choices=DEVICE_NAMES, default="auto",
                    help="auto: CUDA when there is a GPU, else the CPU; cuda: the torch engine on the GPU; "
                         "cpu: the CPU (--backend torch --device cpu runs the GPU engine in Triton's interpreter)")
@@ -299,6 +300,9 @@ def cmd_models(args) -> int:
             print(f"context length  {info['context_length']}")
             print(f"chat template   {'yes' if info['chat_template'] else 'no (completion only)'}")
             print(f"file size       {info['file_size']:,} bytes ({info['file_size'] / 1e6:.1f} MB)")
+            lacks = info["kvchat_engine_lacks"]
+            print("engine          " + (f"llama.cpp (kvchat's engine does not run {lacks} yet)" if lacks
+                                        else "kvchat's own (native on the CPU, torch on a GPU)"))
             slow = info["torch_dequantized"]
             print("torch engine    " + (f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow
                                         else "reads every quantized matrix in place"))

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from core.backend import Backend
 from core.types import SamplingParams, SpeculativeConfig, TokenEvent
@@ -19,18 +19,15 @@ from models import registry
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile, open_model
 
-BACKEND_NAMES = ("native", "llama.cpp", "torch")
+BACKEND_NAMES = ("auto", "native", "llama.cpp", "torch")
 DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEFAULT_CTX = 4096
 
 
 # The backend `run`, `chat` and `batch` use when none is named: kvchat's own engine (faster than
-# llama.cpp here on decode, prefill and TTFT, with prefix reuse, speculation and the KV map).
-DEFAULT_BACKEND = "native"
-
-
-def default_backend() -> str:
-    return DEFAULT_BACKEND
+# llama.cpp here on decode, prefill and TTFT, with prefix reuse, speculation and the KV map) for every
+# file it runs, and llama.cpp for the rest (Engine says so on stderr).
+DEFAULT_BACKEND = "auto"
 
 
 def cuda_available() -> bool:
@@ -46,21 +43,44 @@ def cuda_available() -> bool:
 
 def pick_backend(backend: str | None, device: str) -> tuple[str, str]:
     """(backend, device) for --backend and --device: the torch engine runs on CUDA (or, named
-    with --device cpu, on the CPU under Triton's interpreter); the others run on the CPU. auto
-    takes CUDA when there is one and no CPU-only backend was named."""
+    with --device cpu, on the CPU under Triton's interpreter); the others run on the CPU. Device
+    auto takes CUDA when there is one and no CPU-only backend was named. The backend may stay
+    "auto" (no GPU): Engine settles it once it has read the file (settle)."""
     if device not in DEVICE_NAMES:
         raise BadInputError(f"unknown device '{device}' (choose from {', '.join(DEVICE_NAMES)})")
     if backend is not None and backend not in BACKEND_NAMES:
         raise BadInputError(f"unknown backend '{backend}' (choose from {', '.join(BACKEND_NAMES)})")
+    backend = backend or DEFAULT_BACKEND
     if device == "cuda":
-        if backend not in (None, "torch"):
+        if backend not in ("auto", "torch"):
             raise BadInputError(f"--device cuda runs the torch engine; the {backend} backend runs on the CPU")
         from core.torch_backend import check_device
         check_device("cuda")
         return "torch", "cuda"
-    if device == "auto" and backend in (None, "torch") and cuda_available():
+    if device == "auto" and backend in ("auto", "torch") and cuda_available():
         return "torch", "cuda"
-    return backend or default_backend(), "cpu"
+    return backend, "cpu"
+
+
+def settle(backend: str, device: str, gguf: GGUFFile, n_ctx: int, auto_backend: bool,
+           auto_device: bool, note: Callable[[str], None]) -> tuple[str, str, str | None]:
+    """pick_backend's choice once the file is read: (backend, device, what kvchat's engine lacks).
+    --backend auto runs kvchat's engine (the torch one where pick_backend chose CUDA) when it runs
+    this file's architecture and tensor types, else llama.cpp on the CPU (the third item says
+    why). --device auto leaves CUDA for the native engine when the model and its KV cache do not
+    fit in the GPU's free memory (said through `note`)."""
+    if auto_backend and not (device == "cuda" and not auto_device):    # (--device cuda: the torch engine only)
+        lacks = gguf.unsupported()
+        if lacks is not None:
+            return "llama.cpp", "cpu", lacks
+        backend = "native" if backend == "auto" else backend
+    if auto_device and device == "cuda":
+        from core.torch_backend import cuda_fits
+        fits, why = cuda_fits(gguf, n_ctx)
+        if not fits:
+            note(f"{why}; running on the CPU")
+            return "native", "cpu", None
+    return backend, device, None
 
 
 def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None,
@@ -78,9 +98,10 @@ def load_backend(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, th
 
 
 def load_backend_or_cpu(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None,
-                        progress: registry.Progress | None, device: str, auto: bool) -> Backend:
+                        progress: registry.Progress | None, device: str, auto: bool,
+                        note: Callable[[str], None]) -> Backend:
     """load_backend; on CUDA, running out of device memory is one line: under --device auto the
-    CPU engine takes over (said on stderr), under --device cuda it is a BadInputError (exit 2)."""
+    CPU engine takes over (said through `note`), under --device cuda it is a BadInputError (exit 2)."""
     try:
         return load_backend(name, gguf, tokenizer, n_ctx, threads, progress, device)
     except Exception as e:
@@ -93,8 +114,8 @@ def load_backend_or_cpu(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: 
     torch.cuda.empty_cache()
     if not auto:
         raise BadInputError(line + "; try --device cpu or a smaller --ctx")
-    print(f"kvchat: {line}; running on the CPU", file=sys.stderr)
-    return load_backend(default_backend(), gguf, tokenizer, n_ctx, threads, progress, "cpu")
+    note(f"{line}; running on the CPU")
+    return load_backend("native", gguf, tokenizer, n_ctx, threads, progress, "cpu")
 
 
 @dataclass
@@ -115,7 +136,7 @@ class Engine:
         if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
             raise BadInputError(f"--threads must be between 1 and {(os.cpu_count() or 1) * 4}")
         self.model_name = model
-        auto = device == "auto"
+        auto, auto_backend = device == "auto", backend in (None, "auto")
         backend, device = pick_backend(backend, device)
         self.path = registry.resolve(model, progress)
         self.gguf = open_model(self.path)
@@ -127,16 +148,23 @@ class Engine:
         train_ctx = self.gguf.arch_get("context_length") or n_ctx
         self.n_ctx = min(n_ctx, int(train_ctx))
         self.threads, self.progress, self.backend_progress = threads, progress, backend_progress
-        if auto and device == "cuda":
-            from core.torch_backend import cuda_fits
-            fits, why = cuda_fits(self.gguf, self.n_ctx)
-            if not fits:
-                print(f"kvchat: {why}; running on the CPU", file=sys.stderr)
-                backend, device = default_backend(), "cpu"
-        self.backend = load_backend_or_cpu(backend, self.gguf, self.tokenizer, self.n_ctx, threads,
-                                           backend_progress, device, auto)
+        self.notes: list[str] = []    # what chose another engine or device than asked: stderr, the TUI's toasts
+        backend, device, lacks = settle(backend, device, self.gguf, self.n_ctx, auto_backend, auto, self._note)
+        try:
+            self.backend = load_backend_or_cpu(backend, self.gguf, self.tokenizer, self.n_ctx, threads,
+                                               backend_progress, device, auto, self._note)
+        except BadInputError as e:
+            if lacks is None:
+                raise
+            raise BadInputError(f"kvchat's engine does not run {lacks}, and {e}") from None
+        if lacks is not None:
+            self._note(f"kvchat's engine does not run {lacks} yet; using llama.cpp")
         self.backend_name = self.backend.name
         self._draft: tuple[str, Backend] | None = None   # (draft model name, its native backend)
+
+    def _note(self, line: str) -> None:
+        self.notes.append(line)
+        print(f"kvchat: {line}", file=sys.stderr)
 
     @property
     def has_chat_template(self) -> bool:
@@ -176,7 +204,7 @@ class Engine:
         if self._draft is not None:
             self._draft[1].close()
             self._draft = None
-        g = open_model(registry.resolve(draft_model, self.progress))
+        g = open_model(registry.resolve(draft_model, self.progress)).require_supported()
         tokenizer = Tokenizer.from_gguf(g)
         if tokenizer.tokens != self.tokenizer.tokens:
             raise BadInputError(f"the draft model {draft_model} has a different vocabulary from {self.model_name}")

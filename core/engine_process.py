@@ -6,7 +6,7 @@ milliseconds of Python, and the engine waits for all of it (README: measured). I
 the engine never waits for the UI.
 
 `EngineProcess` has the part of Engine's surface the TUI uses: model_name, backend_name, n_ctx,
-has_chat_template, device, prompt_ids, generate, close, and a `backend` view with the backend's
+has_chat_template, device, notes, prompt_ids, generate, close, and a `backend` view with the backend's
 capabilities, stats, timings, finish_reason, kv_block_map() and set_decode_threads().
 
 Protocol (pickled messages over a socket pair; the Engine's arguments first, then one request at a
@@ -107,7 +107,7 @@ def main() -> None:
         return
     backend = engine.backend
     send(("ready", {"model_name": engine.model_name, "backend_name": engine.backend_name, "n_ctx": engine.n_ctx,
-                    "has_chat_template": engine.has_chat_template, "device": engine.device,
+                    "has_chat_template": engine.has_chat_template, "device": engine.device, "notes": engine.notes,
                     "capabilities": backend.capabilities,
                     "snapshot": _snapshot(backend)}))
     try:
@@ -230,6 +230,7 @@ class EngineProcess:
         self.n_ctx: int = info["n_ctx"]
         self.has_chat_template: bool = info["has_chat_template"]
         self.device: str = info["device"]
+        self.notes: list[str] = info["notes"]
         self.backend = BackendView(self, info)
 
     @property

@@ -26,8 +26,10 @@ def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * w).astype(np.float32)
 
 
-def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None) -> np.ndarray:
-    """ggml_rope (freq_scale 1, no YaRN). x (T, H, hd). Dims >= n_rot pass through.
+def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None,
+             freq_factors=None, freq_scale: float = 1.0) -> np.ndarray:
+    """ggml_rope_ext without YaRN (pair i's angle freq_scale * theta / freq_factors[i]). x (T, H, hd).
+    Dims >= n_rot pass through.
 
     The angles are ggml's: theta_scale = powf(base, -2/n_rot) and, per position, theta = pos then
     theta *= theta_scale pair by pair, in float32 (at position 4000 they are ~1e-4 rad off the
@@ -39,7 +41,8 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_r
     for t in range(T):
         ang = np.float32(positions[t])
         for i in range(n_rot // 2):
-            c, s = np.cos(np.float64(ang)), np.sin(np.float64(ang))
+            turn = np.float64(ang) / (1.0 if freq_factors is None else np.float64(freq_factors[i])) * freq_scale
+            c, s = np.cos(turn), np.sin(turn)
             ang = np.float32(ang * theta_scale)
             a, b = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
             x0, x1 = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)

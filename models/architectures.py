@@ -17,8 +17,13 @@ if TYPE_CHECKING:
 ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config class)
     "llama": ("models.llama", "LlamaConfig"),
     "qwen2": ("models.qwen2", "Qwen2Config"),
+    "qwen3": ("models.qwen3", "Qwen3Config"),
     "gemma3": ("models.gemma3", "Gemma3Config"),
 }
+
+# rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by
+# 1 / rope.scaling.factor. YaRN and LongRoPE are not built yet (GGUFFile.unsupported says so).
+ROPE_SCALING_TYPES = ("none", "linear")
 
 
 def load_config(g: "GGUFFile") -> "DecoderConfig":

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.types import SUPPORTED as SUPPORTED_TYPES
-from models.architectures import ARCHITECTURES
+from models.architectures import ARCHITECTURES, ROPE_SCALING_TYPES
 from models.errors import BadInputError
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -227,14 +227,24 @@ class GGUFFile:
         return Counter(t.type_name for t in self.tensors.values())
 
     # --- checks the engines need -----------------------------------------------------------
-    def require_supported(self) -> "GGUFFile":
-        """Refuse architectures and tensor types kvchat cannot run."""
+    def unsupported(self) -> str | None:
+        """What of this file kvchat's own engines do not run ("architecture 'phi2'", "tensor type
+        IQ4_NL"), or None when they run all of it. (llama.cpp may still run it: --backend auto.)"""
         if self.arch not in ARCHITECTURES:
-            raise BadInputError(f"unsupported architecture '{self.arch}' in {self.path.name} "
-                                f"(supported: {', '.join(ARCHITECTURES)})")
-        for t in self.tensors.values():
-            if t.ggml_type not in SUPPORTED_TYPES:
-                raise BadInputError(f"unsupported tensor type {t.type_name} (tensor {t.name}) in {self.path.name}")
+            return f"architecture '{self.arch}'"
+        scaling = self.arch_get("rope.scaling.type") or "none"
+        if scaling not in ROPE_SCALING_TYPES:
+            return f"rope scaling '{scaling}'"
+        bad = sorted({t.type_name for t in self.tensors.values() if t.ggml_type not in SUPPORTED_TYPES})
+        return f"tensor type{'s' if len(bad) > 1 else ''} {', '.join(bad)}" if bad else None
+
+    def require_supported(self) -> "GGUFFile":
+        """Refuse architectures and tensor types kvchat's engines cannot run."""
+        reason = self.unsupported()
+        if reason is not None:
+            known = f" (it runs {', '.join(ARCHITECTURES)})" if reason.startswith("architecture") else ""
+            raise BadInputError(f"kvchat's engine does not run {reason} in {self.path.name}{known}; "
+                                "--backend llama.cpp (or auto) may")
         return self
 
     def info(self) -> dict:
@@ -248,6 +258,7 @@ class GGUFFile:
             "context_length": self.arch_get("context_length"),
             "chat_template": self.chat_template is not None,
             "file_size": self.file_size,
+            "kvchat_engine_lacks": self.unsupported(),
             "torch_dequantized": self.torch_dequantized(),
         }
 
@@ -260,5 +271,6 @@ class GGUFFile:
 
 
 def open_model(path: str | Path) -> GGUFFile:
-    """Open and fully validate a model kvchat can run."""
-    return GGUFFile(path).require_supported()
+    """Open and validate a GGUF file (its header, metadata and tensor table): what any engine needs.
+    Whether kvchat's own engines run it is GGUFFile.unsupported / require_supported."""
+    return GGUFFile(path)

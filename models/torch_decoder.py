@@ -1,4 +1,4 @@
-"""The decoder of llama, qwen2 and gemma3 on torch tensors: the torch engine's forward pass.
+"""The decoder of llama, qwen2, qwen3 and gemma3 on torch tensors: the torch engine's forward pass.
 
 The same `DecoderConfig` as the native engine (models.transformer) describes each architecture;
 this file runs it with the Triton kernels of kernels.cuda on any torch device. On the CPU (tests,
@@ -153,6 +153,8 @@ class TorchDecoder:
                 cfg.layer_window[il], cfg.layer_rope_base[il]))
             if progress:
                 progress("loading weights", il + 1, cfg.n_layer)
+        self.rope_factors = (torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=device)
+                             if cfg.rope_freq_factors else None)                     # (n_rot/2,) Llama 3
         self.output_norm = vector("output_norm.weight")
         self.output = matrix("output.weight") if "output.weight" in g.tensors else self.tok_embd
         biggest = max((m.n_rows * m.n_cols for m in self.matrices() if m.quantized is not None), default=0)
@@ -187,10 +189,10 @@ class TorchDecoder:
         q, k, v = layer.wq(h), layer.wk(h), layer.wv(h)                            # (T, Hq*hd), (T, Hkv*hd) x2
         if layer.bq is not None:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, positions, layer.rope_base,
-                      cfg.rope_neox, cfg.n_rot)                                    # (q_norm None: rope alone)
-        k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, positions, layer.rope_base,
-                      cfg.rope_neox, cfg.n_rot)
+        rope_args = (positions, layer.rope_base, cfg.rope_neox, cfg.n_rot)
+        rope_scaling = dict(freq_factors=self.rope_factors, freq_scale=cfg.rope_freq_scale)
+        q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, *rope_args, **rope_scaling)   # (no q_norm: rope)
+        k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, *rope_args, **rope_scaling)
         if cfg.scale_q:
             q = q * cfg.attn_scale
         q = q.to(torch.float16)   # tl.dot takes q in the cache's dtype (llama.cpp too rounds q to f16)

@@ -1,9 +1,9 @@
-"""The decoder shared by llama, qwen2 and gemma3: weights loader, config base, block, model.
+"""The decoder shared by llama, qwen2, qwen3 and gemma3: weights loader, config base, block, model.
 
-Each architecture file (llama.py, qwen2.py, gemma3.py) fills a frozen `DecoderConfig` from its
-GGUF metadata; the differences between them are data in that config (biases, rope style, Q/K
-norms, post-norms, activation, embedding scale, per-layer window and rope base), so one forward
-pass serves all three. All arithmetic goes through kernels.cpu; nothing here imports numba.
+Each architecture file (llama.py, qwen2.py, qwen3.py, gemma3.py) fills a frozen `DecoderConfig`
+from its GGUF metadata; the differences between them are data in that config (biases, rope style,
+Q/K norms, post-norms, activation, embedding scale, per-layer window and rope base), so one forward
+pass serves them all. All arithmetic goes through kernels.cpu; nothing here imports numba.
 
 Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
@@ -25,6 +25,7 @@ from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, atten
                          rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
 from kernels.cpu.libm import inv_sqrtf
+from models.architectures import ROPE_SCALING_TYPES
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
 
@@ -52,6 +53,8 @@ class DecoderConfig:
     sliding_window: int = 0
     swa_pattern: int = 0                  # every swa_pattern-th layer is global, the rest local; 0 = none
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
+    rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3)
+    rope_freq_scale: float = 1.0          # every angle times this (linear rope scaling: 1 / factor)
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
     layer_rope_base: tuple[float, ...] = field(default=(), init=False)
@@ -66,6 +69,10 @@ class DecoderConfig:
         object.__setattr__(self, "layer_window", tuple(self.sliding_window if loc else 0 for loc in local))
         base_local = self.rope_base_local or self.rope_base
         object.__setattr__(self, "layer_rope_base", tuple(base_local if loc else self.rope_base for loc in local))
+
+    def rope_table(self, positions: np.ndarray, base: float) -> np.ndarray:
+        """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base (kernels.cpu.rope_table)."""
+        return rope_table(positions, base, self.n_rot, self.rope_freq_factors, self.rope_freq_scale)
 
     @staticmethod
     def common_from_gguf(g: GGUFFile) -> dict:
@@ -87,7 +94,17 @@ class DecoderConfig:
             norm_eps=float(g.arch_get("attention.layer_norm_rms_epsilon") or 1e-6),
             rope_base=float(g.arch_get("rope.freq_base") or 10000.0),
             n_rot=int(g.arch_get("rope.dimension_count") or head_dim),
+            rope_freq_scale=rope_freq_scale(g),
         )
+
+
+def rope_freq_scale(g: GGUFFile) -> float:
+    """llama.cpp's rope_freq_scale_train: 1 / rope.scaling.factor under linear scaling, else 1."""
+    kind = g.arch_get("rope.scaling.type") or "none"
+    if kind not in ROPE_SCALING_TYPES:
+        raise BadInputError(f"{g.path.name}: rope scaling '{kind}' is not supported")
+    factor = float(g.arch_get("rope.scaling.factor") or 0.0)
+    return 1.0 / factor if kind == "linear" and factor > 0 else 1.0
 
 
 class Weights:
@@ -366,7 +383,7 @@ class Block:
             k = rms_norm(k.reshape(-1, hd), self.k_norm, cfg.norm_eps).reshape(T, cfg.n_head_kv, hd)
         table = rope_tables.get(self.rope_base)                            # (T, n_rot/2, 2) cos, sin
         if table is None:
-            table = rope_tables[self.rope_base] = rope_table(positions, self.rope_base, cfg.n_rot)
+            table = rope_tables[self.rope_base] = cfg.rope_table(positions, self.rope_base)
         q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hq, hd)
         k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hkv, hd)
         scale = cfg.attn_scale
@@ -537,7 +554,7 @@ class Decoder:
         if self.cfg.embed_scale != 1.0:
             x *= np.float32(self.cfg.embed_scale)
         positions = np.arange(pos, pos + R, dtype=np.int64)
-        tables = {base: rope_table(positions, base, self.cfg.n_rot) for base in set(self.cfg.layer_rope_base)}
+        tables = {base: self.cfg.rope_table(positions, base) for base in set(self.cfg.layer_rope_base)}
         bs, Hkv = kv.k_cache[0].shape[1], self.cfg.n_head_kv
         plans = {w: decode_plan(kv.block_table, pos, R, w, Hkv, bs) for w in set(self.cfg.layer_window)}
         for block in self.blocks:

@@ -281,8 +281,8 @@ class KvChatApp(ChatActions, App):
 
     # --- models ----------------------------------------------------------------------------
     def load_model(self, spec: str) -> None:
-        backend = self.backend_pref or (self.engine.backend_name if self.engine else None)
-        self.query_one(ModelLoading).load(spec, backend, self.n_ctx, self.threads, self.device_pref)
+        # the backend the user named, else auto again: the next file may run where this one did not
+        self.query_one(ModelLoading).load(spec, self.backend_pref, self.n_ctx, self.threads, self.device_pref)
 
     @on(ModelProgress)
     def on_model_progress(self, event: ModelProgress) -> None:
@@ -300,6 +300,8 @@ class KvChatApp(ChatActions, App):
         self.owns_engine = True
         if not self.engine.has_chat_template:
             self.notify(f"{self.engine.model_name} has no chat template: plain completion of the conversation")
+        for line in self.engine.notes:           # e.g. llama.cpp runs a file kvchat's engine does not
+            self.notify(line, severity="warning")
         self.notify(f"Model {self.engine.model_name} ready ({self.engine.backend_name})")
         self.generated_once = False
         self.refresh_stats()

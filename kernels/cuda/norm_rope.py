@@ -4,8 +4,9 @@ One program per row of D elements (a token's hidden vector, or one head of q/k),
 in registers (BLOCK_D = next_pow2(D); fine up to ~16k). In fp32 whatever the storage dtype:
 
   RMSNorm: y = x / sqrt(mean(x^2) + eps) * w         (the GGUF stores w as applied, gemma included)
-  RoPE (ggml_rope, freq_scale 1, no YaRN): pair (a, b) of dims rotated by
-      theta_i = pos * base^(-2i / n_rot), i < n_rot / 2
+  RoPE (ggml_rope_ext without YaRN): pair (a, b) of dims rotated by
+      theta_i = freq_scale * pos * base^(-2i / n_rot) / factor_i, i < n_rot / 2
+      (factor_i: Llama 3's rope_freqs, else 1; freq_scale: linear rope scaling, else 1)
       neox:   (a, b) = (i, i + n_rot/2)       normal: (a, b) = (2i, 2i + 1)
       y_a = x_a cos - x_b sin,  y_b = x_a sin + x_b cos;  dims >= n_rot pass through.
 
@@ -22,9 +23,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, D, H, s_x, s_y, eps, log2_base,
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, D, H, s_x, s_y, eps, log2_base, freq_scale,
                       N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
-                      HAS_ROPE: tl.constexpr, BLOCK_D: tl.constexpr):
+                      HAS_ROPE: tl.constexpr, HAS_FF: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)                                   # row = t * H + h
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -49,6 +50,9 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, D, H, s_x, s_y, eps, log2_ba
             xp = xp * rstd * tl.load(w_ptr + partner, mask=pmask, other=0.0).to(tl.float32)
         pos = tl.load(pos_ptr + row // H).to(tl.float32)
         ang = pos * tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_base)
+        if HAS_FF:
+            ang = ang / tl.load(ff_ptr + i, mask=pmask, other=1.0)
+        ang = ang * freq_scale
         c = tl.cos(ang)
         s = tl.sin(ang)
         y_rot = tl.where(first, x * c - xp * s, xp * s + x * c)
@@ -56,15 +60,16 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, D, H, s_x, s_y, eps, log2_ba
     tl.store(y_ptr + row * s_y + offs, x.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2):
+def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2, factors=None, freq_scale=1.0):
     D = x2.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
     num_warps = 1 if BLOCK_D <= 256 else (4 if BLOCK_D <= 2048 else 8)
     dummy = x2
     _norm_rope_kernel[(x2.shape[0],)](
-        x2, w if has_norm else dummy, positions if has_rope else dummy, out2, D, H,
-        x2.stride(0), out2.stride(0), float(eps), math.log2(theta) if has_rope else 0.0,
+        x2, w if has_norm else dummy, positions if has_rope else dummy, dummy if factors is None else factors, out2,
+        D, H, x2.stride(0), out2.stride(0), float(eps), math.log2(theta) if has_rope else 0.0, float(freq_scale),
         N_ROT=n_rot if has_rope else 2, NEOX=bool(neox), HAS_NORM=has_norm, HAS_ROPE=has_rope,
+        HAS_FF=factors is not None,
         BLOCK_D=BLOCK_D, num_warps=num_warps,
     )
 
@@ -90,14 +95,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
 
 
 def rope(x: torch.Tensor, positions, theta: float, neox: bool, n_rot: int | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, freq_factors: torch.Tensor | None = None,
+         freq_scale: float = 1.0) -> torch.Tensor:
     """ggml RoPE of x (T, H, hd) at positions (T,). Grid: T*H rows. out must not alias x (partners are re-read)."""
-    return norm_rope(x, None, 0.0, positions, theta, neox, n_rot, out)
+    return norm_rope(x, None, 0.0, positions, theta, neox, n_rot, out, freq_factors, freq_scale)
 
 
 def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, positions, theta: float, neox: bool,
-              n_rot: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-head RMSNorm (w (hd,), skipped when None) then RoPE, one pass: x (T, H, hd) -> same shape."""
+              n_rot: int | None = None, out: torch.Tensor | None = None, freq_factors: torch.Tensor | None = None,
+              freq_scale: float = 1.0) -> torch.Tensor:
+    """Per-head RMSNorm (w (hd,), skipped when None) then RoPE, one pass: x (T, H, hd) -> same shape.
+    freq_factors (n_rot/2,) float32 on the device: each pair's angle divided by its factor."""
     T, H, hd = x.shape
     n_rot = hd if n_rot is None else n_rot
     if n_rot % 2 or n_rot > hd:
@@ -109,6 +117,8 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, positions, th
     if out.data_ptr() == x.data_ptr():
         raise ValueError("norm_rope/rope cannot run in place: each element re-reads its rotation partner from x")
     if T:
+        if freq_factors is not None and tuple(freq_factors.shape) != (n_rot // 2,):
+            raise ValueError(f"{tuple(freq_factors.shape)} rope frequency factors for {n_rot // 2} rotary pairs")
         _launch(x2, None if w is None else w.contiguous(), _positions(positions, T, x.device), H, eps, theta,
-                n_rot, neox, w is not None, True, out.view(T * H, hd))
+                n_rot, neox, w is not None, True, out.view(T * H, hd), freq_factors, freq_scale)
     return out

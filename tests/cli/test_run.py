@@ -139,14 +139,37 @@ def test_bad_model_files(bad_files, kind, message, command):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_unsupported_architecture_and_type_via_cli(tmp_path):
+def test_backend_auto_hands_what_the_engine_lacks_to_llamacpp(tmp_path):
+    """--backend auto (the default): a file with a tensor type kvchat's engine lacks (IQ4_NL, made by
+    llama.cpp's own quantizer) runs on llama.cpp, said in one line, with llama.cpp's tokens;
+    --backend native refuses it in one line (exit 2); `models info` names the engine. A file neither
+    engine runs is one line, exit 2."""
     from gguf import GGMLQuantizationType
+    from tests.engine.conftest import requantize, write_tiny_model
     from tests.models.test_gguf_file import write_gguf
-    arch = write_gguf(tmp_path / "mamba.gguf", arch="mamba")
-    iq = write_gguf(tmp_path / "iq.gguf", tensor_type=GGMLQuantizationType.IQ2_XXS)
-    for path, message in ((arch, "unsupported architecture"), (iq, "unsupported tensor type")):
+    iq = requantize(write_tiny_model(tmp_path / "f32.gguf", "llama", "F32"), tmp_path / "iq4nl.gguf",
+                    llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL)
+    greedy = ["--no-chat", "--temperature", "0", "-n", "6", "--logit-bias", "2=-inf", "the cat"]
+    auto = run_kvchat("run", "-m", str(iq), *greedy)
+    assert auto.returncode == 0, auto.stderr.decode()
+    assert "kvchat: kvchat's engine does not run tensor type IQ4_NL yet; using llama.cpp\n" in auto.stderr.decode()
+    named = run_kvchat("run", "-m", str(iq), "--backend", "llama.cpp", *greedy)
+    assert named.returncode == 0 and auto.stdout == named.stdout and auto.stdout.strip()
+    native = run_kvchat("run", "-m", str(iq), "--backend", "native", *greedy)
+    err = native.stderr.decode()
+    assert native.returncode == 2 and len(err.strip().splitlines()) == 1 and "does not run tensor type IQ4_NL" in err
+    info = run_kvchat("models", "info", str(iq))
+    assert info.returncode == 0 and "llama.cpp (kvchat's engine does not run tensor type IQ4_NL yet)" in info.stdout.decode()
+
+    neither = write_gguf(tmp_path / "mamba.gguf", arch="mamba")     # no vocabulary, no layers
+    for backend in ((), ("--backend", "llama.cpp"), ("--backend", "native")):
+        out = run_kvchat("run", "-m", str(neither), *backend, "hi")
+        err = out.stderr.decode()
+        assert out.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    for kind, path in (("architecture 'mamba'", neither),
+                       ("tensor type IQ2_XXS", write_gguf(tmp_path / "iq2.gguf", tensor_type=GGMLQuantizationType.IQ2_XXS))):
         out = run_kvchat("models", "info", str(path))
-        assert out.returncode == 2 and message in out.stderr.decode()
+        assert out.returncode == 0 and f"does not run {kind} yet" in out.stdout.decode()
 
 
 QWEN_IM_END, QWEN_ENDOFTEXT = 151645, 151643

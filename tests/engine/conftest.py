@@ -1,4 +1,4 @@
-"""Tiny random-weight GGUFs (llama, qwen2, gemma3) written with gguf.GGUFWriter, loadable by both
+"""Tiny random-weight GGUFs (llama, qwen2, qwen3, gemma3) written with gguf.GGUFWriter, loadable by both
 llama.cpp and the native engine.
 
 Dimensions are the smallest the K-quants allow (every matrix's row length is a multiple of 256).
@@ -21,7 +21,7 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
          "▁и", "▁кот", "▁сидел", "▁print", "▁(", "▁)", "▁:", "▁=", "▁+", "▁1"]
 N_VOCAB = 320
 GEMMA_WINDOW = 8
-ARCH_LAYERS = {"llama": 2, "qwen2": 2, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
+ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
 QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 # K-quant f16 scale fields (byte ranges) that must hold finite, small values
@@ -56,8 +56,11 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
     return gguf.quants.quantize(data, t), t
 
 
-def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None) -> Path:
-    """rope_base: llama's and qwen2's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local."""
+def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None,
+                     rope_scaling: str | None = None) -> Path:
+    """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
+    rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
+    or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN)."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -70,12 +73,16 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(rope_base or (1e4 if arch != "gemma3" else 1e6))
     w.add_file_type(0)
-    if arch == "gemma3":
+    if arch in ("gemma3", "qwen3"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
+    if arch == "gemma3":
         w.add_sliding_window(GEMMA_WINDOW)
     else:
         w.add_rope_dimension_count(HEAD_DIM)
+    if rope_scaling in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+        w.add_rope_scaling_factor(4.0)
     tokens, scores, types = vocab()
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -95,6 +102,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     def vec(name, n, center=1.0, spread=0.2):
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
 
+    if rope_scaling == "llama3":     # factors 1 (high frequencies) .. 8 (low), as Llama 3's scaling makes them
+        w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
     mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
     if arch != "gemma3":  # gemma3 ties the output to token_embd
         mat("output.weight", N_VOCAB, N_EMBD, 0.5)
@@ -110,9 +119,10 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         if arch == "qwen2":
             for n, d in (("q", qd), ("k", kvd), ("v", kvd)):
                 vec(p + f"attn_{n}.bias", d, 0.0, 0.3)
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3"):
             vec(p + "attn_q_norm.weight", HEAD_DIM)
             vec(p + "attn_k_norm.weight", HEAD_DIM)
+        if arch == "gemma3":
             vec(p + "post_attention_norm.weight", N_EMBD)
             vec(p + "post_ffw_norm.weight", N_EMBD)
         vec(p + "ffn_norm.weight", N_EMBD)
@@ -133,16 +143,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    """tiny_model(arch, qtype, rope_base=None) -> (GGUFFile, Tokenizer), written once per session."""
+    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None) -> (GGUFFile, Tokenizer), written once per session."""
     made = {}
 
-    def make(arch: str, qtype: str, rope_base: float | None = None):
-        key = arch, qtype, rope_base
+    def make(arch: str, qtype: str, rope_base: float | None = None, rope_scaling: str | None = None):
+        key = arch, qtype, rope_base, rope_scaling
         if key not in made:
-            name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "")
-            path = write_tiny_model(tiny_model_dir / f"{name}.gguf", arch, qtype, rope_base=rope_base)
+            name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "") + (f"-{rope_scaling}" if rope_scaling else "")
+            path = write_tiny_model(tiny_model_dir / f"{name}.gguf", arch, qtype, rope_base=rope_base,
+                                    rope_scaling=rope_scaling)
             g = open_model(path)
             made[key] = (g, Tokenizer.from_gguf(g))
         return made[key]
 
     return make
+
+
+def requantize(src: Path, dst: Path, ftype: int) -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize) on a tiny model: types gguf-py cannot write."""
+    import ctypes
+
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize failed for {src} -> {dst}")
+    return dst

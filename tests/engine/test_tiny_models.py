@@ -35,7 +35,7 @@ from core.native_backend import NativeBackend
 from kernels.reference import dequantize_ref
 from tests.engine import conftest as fx
 
-ARCHS = ["llama", "qwen2", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
 DECODE_TOL, PREFILL_TOL = 0.01, 0.08
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, fx.N_VOCAB, 39)]  # 40 > 2 cache blocks, > window
 
@@ -109,16 +109,19 @@ def test_llamacpp_oracle_is_the_avx2_build():
     assert "AVX512" not in info and "AMX" not in info, info
 
 
-# Rope bases: llama and qwen2 at Llama 2's 1e4 and Llama 3's 5e5; gemma3 at 1e6 (global layers) and
+# Rope bases: llama and qwen2 at Llama 2's 1e4 and Llama 3's 5e5, qwen3 at its 1e6; gemma3 at 1e6 (global layers) and
 # 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
-ROPE_CASES = [("llama", 1e4), ("llama", 5e5), ("qwen2", 1e4), ("qwen2", 5e5), ("gemma3", None)]
+# Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight) and linear scaling.
+ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
+              ("qwen3", 1e6, None), ("gemma3", None, None), ("llama", 5e5, "llama3"), ("llama", 1e4, "linear")]
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("arch,rope_base", ROPE_CASES, ids=[f"{a}-{b or 'default'}" for a, b in ROPE_CASES])
-def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, qtype, tiny_model):
+@pytest.mark.parametrize("arch,rope_base,rope_scaling", ROPE_CASES,
+                         ids=[f"{a}-{b or 'default'}" + (f"-{c}" if c else "") for a, b, c in ROPE_CASES])
+def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, rope_scaling, qtype, tiny_model):
     """The same quantized file through both engines: identical logits, batched and stepwise."""
-    g, tok = tiny_model(arch, qtype, rope_base)
+    g, tok = tiny_model(arch, qtype, rope_base, rope_scaling)
     native = NativeBackend(g, tok, 256, 2)
     batched = native.logits_all(IDS)
     native.seq.release()
@@ -147,6 +150,21 @@ def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, qtype, tiny_model):
         ll.close()
     np.testing.assert_array_equal(batched, ref_batched)
     np.testing.assert_array_equal(stepwise, ref_stepwise)
+
+
+def test_rope_scaling_is_read_from_the_file(tiny_model):
+    """The rope-scaling cases above are not vacuous: the same weights with Llama 3's frequency
+    factors, or with linear scaling, give other logits than without (and llama.cpp agrees bit for
+    bit with each, above)."""
+    def logits(base, scaling=None):
+        g, tok = tiny_model("llama", "Q8_0", base, scaling)
+        native = NativeBackend(g, tok, 256, 2)
+        try:
+            return native.logits_all(IDS)
+        finally:
+            native.close()
+    for base, scaling in ((5e5, "llama3"), (1e4, "linear")):
+        assert np.abs(logits(base, scaling) - logits(base)).max() > 1e-2, scaling
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -23,15 +23,15 @@ from core.torch_backend import TorchBackend, check_device, device_bytes
 from core.types import SamplingParams
 from models.errors import BadInputError
 
-CASES = [("llama", "Q8_0"), ("qwen2", "Q4_K"), ("gemma3", "Q6_K"), ("qwen2", "Q5_0"),
+CASES = [("llama", "Q8_0"), ("qwen2", "Q4_K"), ("gemma3", "Q6_K"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0"),
          ("llama", "Q4_0")]     # Q4_0: no Triton GEMV kernel, dequantized at load
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, 320, 39)]   # 40: three cache blocks
 TOL = 0.01
 N_GREEDY = 16
 
 
-def engines(tiny_model, arch: str, qtype: str) -> tuple[TorchBackend, NativeBackend]:
-    g, tok = tiny_model(arch, qtype)
+def engines(tiny_model, arch: str, qtype: str, *rope) -> tuple[TorchBackend, NativeBackend]:
+    g, tok = tiny_model(arch, qtype, *rope)
     native = NativeBackend(g, tok, 128)
     native.model.set_llama_rounding(False)
     native.model.set_attention_softmax("online")
@@ -56,6 +56,13 @@ def test_prefill_decode_and_greedy_match_native(arch, qtype, tiny_model):
     ours = [e.id for e in torch_be.generate(IDS[:10], greedy)]
     theirs = [e.id for e in native.generate(IDS[:10], greedy)]
     assert len(ours) == N_GREEDY and ours == theirs
+
+
+@pytest.mark.parametrize("rope", [(5e5, "llama3"), (1e4, "linear")])
+def test_rope_scaling_matches_native(tiny_model, rope):
+    """Llama 3's frequency factors and linear rope scaling in the Triton rope kernel."""
+    torch_be, native = engines(tiny_model, "llama", "Q8_0", *rope)
+    close(torch_be.logits_all(IDS), native.logits_all(IDS))
 
 
 def test_prefix_reuse_verify_rollback_and_batch(tiny_model):

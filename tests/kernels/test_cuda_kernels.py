@@ -319,6 +319,21 @@ def test_rope_matches_reference(neox, hd, n_rot, dtype):
 
 
 @pytest.mark.parametrize("neox", [True, False])
+def test_rope_frequency_factors_and_linear_scaling(neox):
+    """Llama 3's rope_freqs (each pair's angle divided by its factor) and linear scaling (every angle
+    times freq_scale), as ggml_rope_ext applies them."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((len(ROPE_POS), 2, 64)).astype(np.float32)
+    ff = rng.uniform(1, 8, 32).astype(np.float32)
+    pos = np.array(ROPE_POS)
+    y = rope(torch.from_numpy(x).to(DEVICE), torch.from_numpy(pos).to(DEVICE), 5e5, neox,
+             freq_factors=torch.from_numpy(ff).to(DEVICE), freq_scale=0.25)
+    ref = rope_ref(x, pos, 5e5, neox, freq_factors=ff, freq_scale=0.25)
+    torch.testing.assert_close(y.cpu(), torch.from_numpy(ref), atol=2e-5, rtol=2e-5)
+    assert not np.allclose(ref, rope_ref(x, pos, 5e5, neox), atol=1e-3)     # the factors matter
+
+
+@pytest.mark.parametrize("neox", [True, False])
 def test_fused_norm_rope_matches_reference(neox):
     """Per-head q/k RMSNorm then RoPE (gemma3's q_norm/k_norm), in one pass."""
     rng = np.random.default_rng(11)
@@ -379,10 +394,11 @@ for j, q in enumerate(G.SUPPORTED):     # all rows (rows_ptr is w_raw, unused) a
         sig = dict(w_ptr="*u8", rows_ptr=rows_t, out_ptr="*" + out_t, M=i32, K=i32, row_bytes=i32, s_om=i32)
         c = dict(QTYPE=q, HAS_ROWS=rows_t != "*u8", BLOCK_R=16, BLOCK_K=256)
         comp(D._dequant_kernel, {**sig, **{n: "constexpr" for n in c}}, c, dict(enable_fp_fusion=False))
-sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", y_ptr="*bf16", D=i32, H=i32, s_x=i32, s_y=i32, eps="fp32",
-           log2_base="fp32")
-c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, BLOCK_D=128)
-comp(N._norm_rope_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
+sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", ff_ptr="*fp32", y_ptr="*bf16", D=i32, H=i32, s_x=i32,
+           s_y=i32, eps="fp32", log2_base="fp32", freq_scale="fp32")
+for ff in (False, True):
+    c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, HAS_FF=ff, BLOCK_D=128)
+    comp(N._norm_rope_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 print("ok")
 '''
 

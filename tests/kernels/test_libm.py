@@ -56,6 +56,21 @@ def test_rope_table_angles_are_ggml_s(base, n_rot):
             theta = np.float32(theta * scale)
 
 
+def test_rope_table_with_frequency_factors_and_scale_is_ggml_s():
+    """ggml_rope_ext: pair i turns by freq_scale * (theta / factor_i), each a float32 operation."""
+    positions = np.array([0, 3, 511, 8191])
+    factors = np.geomspace(1.0, 8.0, 32).astype(np.float32)
+    table = rope_table(positions, 5e5, 64, factors, 0.25)
+    scale = np.float32(LIBM.powf(float(np.float32(5e5)), float(np.float32(-2.0) / np.float32(64))))
+    for t, pos in enumerate(positions):
+        theta = np.float32(pos)
+        for i in range(32):
+            angle = np.float32(np.float32(0.25) * np.float32(theta / factors[i]))
+            assert bits(table[t, i, 0]) == bits(LIBM.cosf(float(angle))), (pos, i)
+            assert bits(table[t, i, 1]) == bits(LIBM.sinf(float(angle))), (pos, i)
+            theta = np.float32(theta * scale)
+
+
 def test_attention_scale_is_ggml_float_arithmetic():
     """llama.cpp: kq_scale = 1.0f/sqrtf(float(n_embd_head)), two float32 roundings; for head dims
     such as 96 (Phi-3) that is not float32(1/sqrt(96)) computed in double."""

@@ -84,15 +84,26 @@ def test_truncated_real_model(qwen_path, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    with pytest.raises(BadInputError, match="unsupported architecture 'mamba'"):
-        open_model(write_gguf(tmp_path / "m.gguf", arch="mamba"))
+    g = open_model(write_gguf(tmp_path / "m.gguf", arch="mamba"))    # a valid file (llama.cpp may run it)...
+    assert g.unsupported() == "architecture 'mamba'" and g.info()["kvchat_engine_lacks"] == g.unsupported()
+    with pytest.raises(BadInputError, match="does not run architecture 'mamba' in m.gguf"):
+        g.require_supported()                                           # ...that kvchat's engines do not run
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    """YaRN is not built: the file goes to llama.cpp under --backend auto; linear scaling runs."""
+    from tests.engine.conftest import write_tiny_model
+    assert open_model(write_tiny_model(tmp_path / "y.gguf", "llama", "F32", rope_scaling="yarn")).unsupported() \
+        == "rope scaling 'yarn'"
+    assert open_model(write_tiny_model(tmp_path / "l.gguf", "llama", "F32", rope_scaling="linear")).unsupported() is None
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = write_gguf(tmp_path / "iq.gguf", tensor_type=GGMLQuantizationType.IQ2_XXS)
-    assert GGUFFile(path).type_counts["IQ2_XXS"] == 1      # readable...
-    with pytest.raises(BadInputError, match="unsupported tensor type IQ2_XXS"):
-        open_model(path)                                      # ...but not runnable
+    g = open_model(write_gguf(tmp_path / "iq.gguf", tensor_type=GGMLQuantizationType.IQ2_XXS))
+    assert g.type_counts["IQ2_XXS"] == 1 and g.unsupported() == "tensor type IQ2_XXS"
+    with pytest.raises(BadInputError, match="does not run tensor type IQ2_XXS"):
+        g.require_supported()
+    assert open_model(write_gguf(tmp_path / "ok.gguf")).unsupported() is None
 
 
 def test_garbage_after_magic(tmp_path):
