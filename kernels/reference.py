@@ -86,8 +86,9 @@ def gather_kv_ref(cache: np.ndarray, block_table: np.ndarray, n: int) -> np.ndar
     return np.stack([cache[block_table[p // bs], p % bs] for p in range(n)]) if n else cache[:0, 0]
 
 
-def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.ndarray:
-    """Causal (optionally sliding-window) GQA attention by explicit softmax, in float64.
+def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    """Causal (optionally sliding-window) GQA attention by explicit softmax, in float64; with
+    softcap > 0 the scores q.k are soft-capped (cap * tanh(s / cap), gemma2) before the scale.
 
     q (T, Hq, hd) at positions q_start.., k/v (N, Hkv, hd) at positions 0..N-1.
     Key j is visible to the query at position p iff j <= p and (window == 0 or p - j < window),
@@ -104,7 +105,10 @@ def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0) -> np.nd
     out = np.empty((T, Hq, hd), np.float64)
     for h in range(Hq):
         kh, vh = k[:, h // group].astype(np.float64), v[:, h // group].astype(np.float64)
-        s = q[:, h].astype(np.float64) @ kh.T * scale
+        s = q[:, h].astype(np.float64) @ kh.T
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        s = s * scale
         s = np.where(visible, s, -np.inf)
         s = np.exp(s - s.max(axis=-1, keepdims=True))
         out[:, h] = (s / s.sum(axis=-1, keepdims=True)) @ vh

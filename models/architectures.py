@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "llama": ("models.llama", "LlamaConfig"),
     "qwen2": ("models.qwen2", "Qwen2Config"),
     "qwen3": ("models.qwen3", "Qwen3Config"),
+    "gemma2": ("models.gemma2", "Gemma2Config"),
     "gemma3": ("models.gemma3", "Gemma3Config"),
 }
 

@@ -1,4 +1,4 @@
-"""The decoder of llama, qwen2, qwen3 and gemma3 on torch tensors: the torch engine's forward pass.
+"""The torch engine's forward pass: every architecture models.transformer runs, on torch tensors.
 
 The same `DecoderConfig` as the native engine (models.transformer) describes each architecture;
 this file runs it with the Triton kernels of kernels.cuda on any torch device. On the CPU (tests,
@@ -214,6 +214,12 @@ class TorchDecoder:
         x = self.tok_embd.rows(ids)                                                # (T, D)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and output matrix: (R, D) -> (R, n_vocab) float32, soft-capped (gemma2)."""
+        logits = self.output(rms_norm(x, self.output_norm, self.cfg.norm_eps))
+        cap = self.cfg.final_softcap
+        return cap * torch.tanh(logits * (1.0 / cap)) if cap > 0 else logits
+
     def _kq_scale(self) -> float:
         return 1.0 if self.cfg.scale_q else self.cfg.attn_scale
 
@@ -239,14 +245,14 @@ class TorchDecoder:
                     kc, vc, rows = kv.k_cache[il], kv.v_cache[il], slice(row, row + n)
                     write_kv(kc, vc, table, start, k[rows], v[rows])
                     o[rows] = attention_prefill(q[rows].contiguous(), kc, vc, table, start, self._kq_scale(),
-                                                layer.window)
+                                                layer.window, softcap=self.cfg.attn_softcap)
                     row += n
                 return o
             x = self._layer(layer, x, positions, attend)
         if not all_rows:
             ends = torch.as_tensor(np.cumsum([n for _, _, n in segments]) - 1, device=dev)
             x = x[ends]
-        return self.output(rms_norm(x, self.output_norm, self.cfg.norm_eps))      # (rows, n_vocab)
+        return self._logits(x)                                                     # (rows, n_vocab)
 
     def decode_inputs(self, tokens: Sequence[int], segments: Sequence[tuple], batch: int | None = None,
                       width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,9 +291,9 @@ class TorchDecoder:
                 kc.view(-1, *kc.shape[2:])[cells] = k.to(kc.dtype)
                 vc.view(-1, *vc.shape[2:])[cells] = v.to(vc.dtype)
                 return attention_decode(q, kc, vc, tables, seq_lens, self._kq_scale(), layer.window,
-                                        max_kv=max_kv).float()
+                                        max_kv=max_kv, softcap=self.cfg.attn_softcap).float()
             x = self._layer(layer, x, positions, attend)
-        return self.output(rms_norm(x, self.output_norm, self.cfg.norm_eps))      # (B, n_vocab)
+        return self._logits(x)                                                     # (B, n_vocab)
 
 
 class DecodeGraphs:

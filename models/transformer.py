@@ -1,9 +1,10 @@
-"""The decoder shared by llama, qwen2, qwen3 and gemma3: weights loader, config base, block, model.
+"""The decoder shared by llama, qwen2, qwen3, gemma2 and gemma3: weights loader, config base, block, model.
 
-Each architecture file (llama.py, qwen2.py, qwen3.py, gemma3.py) fills a frozen `DecoderConfig`
-from its GGUF metadata; the differences between them are data in that config (biases, rope style,
-Q/K norms, post-norms, activation, embedding scale, per-layer window and rope base), so one forward
-pass serves them all. All arithmetic goes through kernels.cpu; nothing here imports numba.
+Each architecture file (llama.py, qwen2.py, qwen3.py, gemma2.py, gemma3.py) fills a frozen
+`DecoderConfig` from its GGUF metadata; the differences between them are data in that config
+(biases, rope style and scaling, Q/K norms, post-norms, activation, embedding scale, per-layer
+window and rope base, soft-capping), so one forward pass serves them all. All arithmetic goes
+through kernels.cpu; nothing here imports numba.
 
 Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
@@ -18,7 +19,7 @@ import numpy as np
 
 from kernels.cpu import fused
 from kernels.cpu.attention import decode_plan, exact_head_dim
-from kernels.cpu.ops import gelu_table
+from kernels.cpu.ops import gelu_table, soft_cap_rows
 from kernels.cpu.qdot import EXACT_TYPES, Int8Rows, Q8Buffers, exact_layout, run_arrays
 from kernels.types import Q4_K, TRAITS
 from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
@@ -55,6 +56,8 @@ class DecoderConfig:
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
     rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3)
     rope_freq_scale: float = 1.0          # every angle times this (linear rope scaling: 1 / factor)
+    attn_softcap: float = 0.0             # attention scores soft-capped at this before the softmax (gemma2)
+    final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
     layer_rope_base: tuple[float, ...] = field(default=(), init=False)
@@ -401,7 +404,8 @@ class Block:
             together = (rows_plan.decode.shape[0] > 1 and self.softmax == "llama.cpp" and exact_head_dim(hd))
             if together:
                 idx = rows_plan.decode
-                o[idx] = attention_decode_rows(q[idx], kc, vc, rows_plan.tables, rows_plan.n_kvs, scale, self.window)
+                o[idx] = attention_decode_rows(q[idx], kc, vc, rows_plan.tables, rows_plan.n_kvs, scale, self.window,
+                                               cfg.attn_softcap)
         row = 0
         for kv, start_pos, n, decode_rows in segments:  # each sequence attends to its own paged cache
             kc, vc, table = kv.k_cache[self.il], kv.v_cache[self.il], kv.block_table
@@ -414,10 +418,10 @@ class Block:
             if decode_rows:  # the one-token kernel row by row: a speculative check sees decode's numbers
                 for i in range(n):
                     o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, scale,
-                                                  self.window, softmax=self.softmax)
+                                                  self.window, softmax=self.softmax, softcap=cfg.attn_softcap)
             else:
                 o[rows] = attention_prefill(np.ascontiguousarray(q[rows]), kc, vc, table, start_pos,
-                                            scale, self.window, softmax=self.softmax)
+                                            scale, self.window, softmax=self.softmax, softcap=cfg.attn_softcap)
             row += n
         o = mm(self.wo, o.reshape(T, cfg.n_head * hd))                    # (T, D)
         if self.post_attn_norm is not None:
@@ -453,6 +457,7 @@ class Block:
                 self.attn_norm, proj(self.qkv), opt(self.bq), opt(self.bk), opt(self.bv),
                 opt(self.q_norm), opt(self.k_norm), cfg.rope_neox,
                 np.float32(cfg.attn_scale if cfg.scale_q else 1.0), np.float32(1.0 if cfg.scale_q else cfg.attn_scale),
+                np.float32(cfg.attn_softcap),
                 self.wo.exact, self.wo.ggml_type, opt(self.post_attn_norm),
                 self.ffn_norm, proj(self.gate_up), self.act is geglu_tanh, gelu_table(),
                 self.w_down.exact, self.w_down.ggml_type, opt(self.post_ffn_norm))
@@ -567,7 +572,8 @@ class Decoder:
         layout = traits.layout_prefix(out.exact, n)
         logits = np.empty((x.shape[0], traits.layout_rows(layout)), np.float32)
         fused.output_rows(x, self.output_norm, np.float32(self.cfg.norm_eps), layout, out.ggml_type,
-                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), run_arrays([(0, x.shape[0], False)]), logits)
+                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), run_arrays([(0, x.shape[0], False)]),
+                          np.float32(self.cfg.final_softcap), logits)
         return logits[:, :n]
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
@@ -607,4 +613,8 @@ class Decoder:
         """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens
         only (a draft model; the output matrix is the largest one)."""
         x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
-        return _mm(self.output, x, plan, self.llama_rounding, n_out=vocab_limit)
+        logits = _mm(self.output, x, plan, self.llama_rounding, n_out=vocab_limit)
+        if self.cfg.final_softcap > 0:
+            logits = np.ascontiguousarray(logits)
+            soft_cap_rows(logits, np.float32(self.cfg.final_softcap))
+        return logits

@@ -21,6 +21,7 @@ Two softmaxes:
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numba
@@ -104,15 +105,21 @@ def block_slots(block_table, start_pos: int, n: int, block_size: int) -> np.ndar
 # No fastmath here nor in any caller: numba compiles a function called from a fastmath function
 # with the caller's flags (measured: reassociated sums), and these roundings are llama.cpp's.
 @njit(cache=True, error_model="numpy", inline="always")
-def _softmax_row(S, i0, n, key0, lo, hi, scale):
+def _softmax_row(S, i0, n, key0, lo, hi, scale, softcap):
     """ggml's soft_max of one row in place: S[i0 : i0+n] holds the scores of keys key0 .. key0+n-1
-    (key0 % 8 == 0); keys outside [lo, hi] are masked. x = s * scale (-inf where masked), e =
+    (key0 % 8 == 0); keys outside [lo, hi] are masked. With softcap > 0 (gemma2) the visible scores
+    are first soft-capped as llama.cpp's graph does it: s * (1/softcap), tanhf, times softcap (three
+    float32 roundings; numba's float32 math.tanh is libm's tanhf). x = s * scale (-inf where masked), e =
     ggml_expf(x - max), the sum in float64 of each 8-key chunk's hsum_float_8, then every entry
     becomes float16(e * float32(1 / sum)) (the rounding of the float16 product that follows)."""
     a = min(max(lo - key0, 0), n)                  # visible: S[i0 + a : i0 + b]
     b = max(min(hi - key0 + 1, n), a)
     a8 = min((a + 7) // 8 * 8, b)                   # [a8, b8): whole 8-lane steps
     b8 = max(a8, b // 8 * 8)
+    if softcap > 0:
+        inv_cap = np.float32(1.0) / softcap
+        for jj in range(a, b):
+            S[i0 + jj] = softcap * math.tanh(S[i0 + jj] * inv_cap)
     m = np.float32(-np.inf)
     for jj in range(a, a8):
         S[i0 + jj] *= scale
@@ -138,11 +145,11 @@ def _softmax_row(S, i0, n, key0, lo, hi, scale):
 
 
 @njit(cache=True, error_model="numpy")
-def _softmax_rows(S, R, span, k_lo, lo_pos, pos, scale):
+def _softmax_rows(S, R, span, k_lo, lo_pos, pos, scale, softcap):
     """_softmax_row for each of a tile's R rows (row i: keys lo_pos[i] .. pos[i] visible). A
     function of its own, not inlined: inlined into _prefill_tile, LLVM left its loops scalar."""
     for i in range(R):
-        _softmax_row(S, i * span, span, k_lo, lo_pos[i], pos[i], scale)
+        _softmax_row(S, i * span, span, k_lo, lo_pos[i], pos[i], scale, softcap)
 
 
 # The scores sweep the keys in blocks of about this many bytes of widened K, each block for all of
@@ -217,7 +224,7 @@ def _tile_pv(S, R, span, vt, hd, pos, lo_pos, k_lo, obuf):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, t1, out):
+def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0, t1, out):
     """Query positions t0..t1-1 of kv head kvh's group (rows (t - t0) * G + g): scores, softmax and
     P@V with llama.cpp's batched arithmetic. Each row's result depends only on its own scores."""
     T, Hq, hd = q.shape
@@ -239,7 +246,7 @@ def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, 
     kstride = Hkv * hd
     S = np.empty(R * span, np.float32)
     _tile_scores(qbuf, R, hd, kf, kstride, kvh * hd, block_table, bs, pos, lo_pos, k_lo, span, S)
-    _softmax_rows(S, R, span, k_lo, lo_pos, pos, scale)
+    _softmax_rows(S, R, span, k_lo, lo_pos, pos, scale, softcap)
     vt = np.zeros(hd * span, np.float32)                # V^T of the span; keys past k_hi stay 0
     j = k_lo
     while bs % 8 == 0 and j + 8 <= k_hi:                # 8 keys x 8 dims at a time, within one cache block
@@ -261,7 +268,7 @@ def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, 
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, paired, out):
+def _prefill(q, k_cache, v_cache, block_table, q_start, scale, softcap, window, q_tile, paired, out):
     """paired: each work item takes query tiles p and n_tiles-1-p of one kv head. Under the causal
     mask a tile's cost grows with its position, so the threads' contiguous shares of the work
     items then cost the same."""
@@ -274,12 +281,13 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, p
         kvh = w // n_items
         tile = w % n_items
         t0 = tile * q_tile
-        _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, min(T, t0 + q_tile), out)
+        _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0, min(T, t0 + q_tile),
+                      out)
         mirror = n_tiles - 1 - tile
         if paired and mirror != tile:
             t0 = mirror * q_tile
-            _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, min(T, t0 + q_tile),
-                          out)
+            _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0,
+                          min(T, t0 + q_tile), out)
 
 
 _prefill_serial = serial_twin(_prefill)
@@ -328,11 +336,11 @@ def _check_softmax(softmax: str) -> None:
 
 
 def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: float, window: int = 0,
-                      q_tile: int = 0, softmax: str = "llama.cpp"):
+                      q_tile: int = 0, softmax: str = "llama.cpp", softcap: float = 0.0):
     """q (T, Hq, hd) at positions q_start.. over keys 0..q_start+T-1 already in the cache -> (T, Hq, hd).
 
     softmax: "llama.cpp" (its rounding, see the module doc) or "online" (flash attention with a
-    running max and sum in float32, attention_online)."""
+    running max and sum in float32, attention_online). softcap: gemma2's score soft-capping (0: none)."""
     _check_softmax(softmax)
     q = np.ascontiguousarray(q, np.float32)
     _check_cache(q, k_cache, v_cache, block_table, q_start + q.shape[0])
@@ -348,7 +356,7 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
         n_tiles = -(-q.shape[0] // q_tile)
         paired = k_cache.shape[2] * ((n_tiles + 1) // 2) >= numba.get_num_threads()
         kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
-               int(q_start), np.float32(scale), int(window), int(q_tile), paired, out)
+               int(q_start), np.float32(scale), np.float32(softcap), int(window), int(q_tile), paired, out)
     return out
 
 
@@ -374,10 +382,10 @@ def _decode_scores(q, k_cache, block_table, lo, hi, chunk, key0, S):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _decode_softmax(S, key0, lo, hi, scale):
+def _decode_softmax(S, key0, lo, hi, scale, softcap):
     """ggml's soft_max per head (row of S over keys key0.., key0 % 32 == 0; visible lo .. hi-1)."""
     for h in prange(S.shape[0]):
-        _softmax_row(S[h], 0, S.shape[1], key0, lo, hi - 1, scale)
+        _softmax_row(S[h], 0, S.shape[1], key0, lo, hi - 1, scale, softcap)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -433,7 +441,7 @@ _decode_pv_serial = serial_twin(_decode_pv)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, out):
+def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, softcap, out):
     """Many one-token queries at once, each over its own sequence's cache: query r (row r of q, at
     position n_kvs[r] - 1, block table tables[r]) gets exactly attention_decode's numbers (the same
     vd_dot scores, _softmax_row and P@V chains; only the work is split differently: one
@@ -459,7 +467,8 @@ def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, out):
             base = (table[j // bs] * bs + j % bs) * kstride + kvh * hd
             for g in range(G):
                 S[g, j - key0] = vd_dot(qf, (r * Hq + kvh * G + g) * hd, kf, base, hd)
-        _softmax_rows(S.reshape(-1), G, width, key0, np.full(G, lo, np.int64), np.full(G, hi - 1, np.int64), scale)
+        _softmax_rows(S.reshape(-1), G, width, key0, np.full(G, lo, np.int64), np.full(G, hi - 1, np.int64), scale,
+                      softcap)
         acc = np.empty(G * PV_HEAD_STRIDE, np.float32)
         vbuf = np.empty(PV_TILE * PV_DIMS, np.float32)
         for e0 in range(0, hd, PV_DIMS):
@@ -470,7 +479,7 @@ def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, out):
 _decode_rows_serial = serial_twin(_decode_rows)
 
 
-def attention_decode_rows(q, k_cache, v_cache, tables, n_kvs, scale: float, window: int = 0):
+def attention_decode_rows(q, k_cache, v_cache, tables, n_kvs, scale: float, window: int = 0, softcap: float = 0.0):
     """Queries q (R, Hq, hd), query r at position n_kvs[r] - 1 of the sequence whose block table is
     tables[r] (R, max blocks; rows padded), over its cached keys [0, n_kvs[r]) -> (R, Hq, hd): for
     each row exactly what attention_decode (llama.cpp's softmax) gives it. Head dims: exact_head_dim."""
@@ -489,7 +498,8 @@ def attention_decode_rows(q, k_cache, v_cache, tables, n_kvs, scale: float, wind
     lo = np.maximum(0, n_kvs - window) if window > 0 else np.zeros_like(n_kvs)
     work = int(((n_kvs - lo) * k_cache.shape[2]).sum()) * q.shape[2]
     kernel = pick(_decode_rows, _decode_rows_serial, work)
-    kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), tables, n_kvs, int(window), np.float32(scale), out)
+    kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), tables, n_kvs, int(window), np.float32(scale),
+           np.float32(softcap), out)
     return out
 
 
@@ -525,13 +535,14 @@ def exact_head_dim(hd: int) -> bool:
 
 
 def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, window: int = 0,
-                     n_splits: int = 0, softmax: str = "llama.cpp"):
+                     n_splits: int = 0, softmax: str = "llama.cpp", softcap: float = 0.0):
     """One query q (Hq, hd) at position n_kv-1 over cached keys [0, n_kv) -> (Hq, hd).
 
     softmax "llama.cpp", in three steps: the scores, split across threads by keys; ggml's softmax
     per head; P@V split across threads by heads and head dims (each output is one fixed chain
     over the keys, as llama.cpp sums it). softmax "online" (flash-decoding): each split of the keys
-    keeps its own running max and sum, and the partial outputs are merged by log-sum-exp."""
+    keeps its own running max and sum, and the partial outputs are merged by log-sum-exp.
+    softcap: gemma2's score soft-capping (0: none)."""
     _check_softmax(softmax)
     q = np.ascontiguousarray(q, np.float32)
     _check_cache(q, k_cache, v_cache, block_table, n_kv)
@@ -561,12 +572,12 @@ def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, 
         else:
             kernel = decode_partial if parallel else decode_partial_serial
         kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), table, lo, n_kv, chunk, np.float32(scale),
-               o_part, m_part, l_part)
+               np.float32(softcap), o_part, m_part, l_part)
         merge_splits(o_part, m_part, l_part, out)
         return out
     key0 = lo - lo % 32                                   # the 32-key steps of ggml's f16 dot start at key 0
     S = np.empty((Hq, -(-(n_kv - key0) // 8) * 8), np.float32)   # scores, then probabilities
     (_decode_scores if parallel else _decode_scores_serial)(q, k_cache.view(np.uint16), table, lo, n_kv, chunk, key0, S)
-    (_decode_softmax if parallel else _decode_softmax_serial)(S, key0, lo, n_kv, np.float32(scale))
+    (_decode_softmax if parallel else _decode_softmax_serial)(S, key0, lo, n_kv, np.float32(scale), np.float32(softcap))
     (_decode_pv if parallel else _decode_pv_serial)(S, v_cache.view(np.uint16), table, key0, n_kv, out)
     return out

@@ -10,6 +10,8 @@ visibility rule are attention.py's.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -45,9 +47,20 @@ def _rescale(acct, alpha):
 
 
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
+def _soft_cap(st, n, R, cap):
+    """gemma2's soft-capping of scores st[:n, :R] in place. The scores here already carry the
+    attention scale (the queries are scaled), so cap is scale * softcap: scale * softcap *
+    tanh(s / softcap) of the unscaled score s, which is what the softmax then sees."""
+    for jj in range(n):
+        for i in range(R):
+            st[jj, i] = cap * math.tanh(st[jj, i] / cap)
+
+
+@njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
 def _attend_tile_online(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, pos_min, lo_max, n_keys_lo,
-                 n_keys_hi, m, l, acct, st, alpha, kbuf, vbuf):
+                 n_keys_hi, m, l, acct, st, alpha, kbuf, vbuf, cap):
     """Prefill: online-softmax update of R query rows over keys [n_keys_lo, n_keys_hi).
+    cap > 0: the (scaled) scores soft-capped, cap * tanh(s / cap) (_soft_cap).
 
     The R rows (positions x the GQA group, padded to a multiple of 16) are the vector lanes:
     qt (hd, R) holds the scaled queries, st (bs, R) the scores of one cache block, acct (hd, R)
@@ -76,6 +89,8 @@ def _attend_tile_online(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, 
                     kbuf[jj * hd + e] = f16_value(kf[base + jj * kstride + e])
                     vbuf[jj * hd + e] = f16_value(vf[base + jj * kstride + e])
         tile_scores(qt, kbuf, 0, hd, st, n)
+        if cap > 0:
+            _soft_cap(st, n, R, cap)
         # new running max (alpha holds it for now)
         for i in range(R):
             alpha[i] = m[i]
@@ -119,7 +134,7 @@ def _attend_tile_online(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, 
 
 
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
-def _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, t1, out):
+def _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0, t1, out):
     """Query positions t0..t1-1 of kv head kvh's group: gather the rows, attend, normalise."""
     T, Hq, hd = q.shape
     G = Hq // Hkv
@@ -146,7 +161,7 @@ def _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, window
     # in the same groups whatever tile it is in (masked keys add exact zeros), so a row's
     # result does not depend on how the queries are chunked
     _attend_tile_online(qt, kf, vf, Hkv * hd, block_table, bs, kvh, pos, lo_pos, pos[0], lo_pos[R - 1],
-                 lo_pos[0] - lo_pos[0] % bs, q_start + t1, m, l, acct, st, alpha, kbuf, vbuf)
+                 lo_pos[0] - lo_pos[0] % bs, q_start + t1, m, l, acct, st, alpha, kbuf, vbuf, scale * softcap)
     for t in range(t0, t1):
         for g in range(G):
             i = (t - t0) * G + g
@@ -156,7 +171,7 @@ def _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, window
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def prefill_online(q, k_cache, v_cache, block_table, q_start, scale, window, q_tile, paired, out):
+def prefill_online(q, k_cache, v_cache, block_table, q_start, scale, softcap, window, q_tile, paired, out):
     """paired: each work item takes query tiles p and n_tiles-1-p of one kv head. Under the causal
     mask a tile's cost grows with its position, so the threads' contiguous shares of the work
     items then cost the same (one kv head's tiles in order left the last thread 1.4x the work)."""
@@ -169,19 +184,20 @@ def prefill_online(q, k_cache, v_cache, block_table, q_start, scale, window, q_t
         kvh = w // n_items
         tile = w % n_items
         t0 = tile * q_tile
-        _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, min(T, t0 + q_tile), out)
+        _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0,
+                             min(T, t0 + q_tile), out)
         mirror = n_tiles - 1 - tile
         if paired and mirror != tile:
             t0 = mirror * q_tile
-            _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, window, kvh, t0, min(T, t0 + q_tile),
-                          out)
+            _prefill_tile_online(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0,
+                                 min(T, t0 + q_tile), out)
 
 
 prefill_online_serial = serial_twin(prefill_online)
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def decode_partial_v(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_part, m_part, l_part):
+def decode_partial_v(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, softcap, o_part, m_part, l_part):
     """Split-KV decode (head_dim % 16 == 0): work item (kv head, split) attends the group's G query
     heads over keys [lo + split*chunk, ...) in chunks of up to 16 keys and leaves unnormalised
     (out, max, sumexp) for the merge. Scores: dec_qk16 (keys as lanes, products along head_dim,
@@ -218,6 +234,8 @@ def decode_partial_v(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_p
                 prefetch_rows(kf, base1, kstride, n1, hd)
                 prefetch_rows(vf, base1, kstride, n1, hd)
             dec_qk16(qg, kf, base, kstride, n, s)
+            if softcap > 0:
+                _soft_cap(s.T, n, G, scale * softcap)
             for g in range(G):
                 sg = s[g]
                 mx = m[g]
@@ -244,7 +262,7 @@ def decode_partial_v(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_p
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
-def decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_part, m_part, l_part):
+def decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, softcap, o_part, m_part, l_part):
     """Split-KV decode: work item (kv head, split) attends the group's G query heads over keys
     [lo + split*chunk, ...) and leaves unnormalised (out, max, sumexp) for the merge. Scores
     are dots over head_dim held as (G, bs) rows so the softmax is vectorized over keys."""
@@ -279,6 +297,8 @@ def decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, o_par
                     for e in range(hd):
                         dot += qr[e] * f16_value(kr[e])
                     s[g, jj] = dot
+            if softcap > 0:
+                _soft_cap(s.T, n, G, scale * softcap)
             for g in range(G):
                 sg = s[g]
                 mx = m[g]

@@ -20,7 +20,7 @@ from numba import njit
 
 from kernels.cpu.activations import _round_to_f16
 from kernels.cpu.attention import _decode_pv, _decode_scores, _decode_softmax, _write_kv_serial
-from kernels.cpu.ops import _geglu_tanh_serial, _rms_norm_serial, _rope_serial, _swiglu_serial
+from kernels.cpu.ops import _geglu_tanh_serial, _rms_norm_serial, _rope_serial, _swiglu_serial, soft_cap_rows
 from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into, run_arrays
 from kernels.types import ACT_KIND, TRAITS
 
@@ -60,6 +60,7 @@ class LayerWeights(NamedTuple):
     rope_neox: bool
     q_scale: np.float32       # q times this before attention (gemma3), else 1
     kq_scale: np.float32      # the scores times this (the others)
+    softcap: np.float32       # the scores soft-capped at this before the softmax (gemma2), else 0
     wo: np.ndarray
     wo_type: int
     post_attn_norm: np.ndarray
@@ -203,7 +204,7 @@ def decode_layer(x, cs, w, k_cache, v_cache, plan, b):
         key0, lo = plan.key0[r], plan.lo[r]
         S = np.empty((Hq, -(-(n_kv - key0) // 8) * 8), np.float32)    # scores, then probabilities
         _decode_scores(b.q16[r], k_cache, plan.block_table, lo, n_kv, plan.chunk[r], key0, S)
-        _decode_softmax(S, key0, lo, n_kv, w.kq_scale)
+        _decode_softmax(S, key0, lo, n_kv, w.kq_scale, w.softcap)
         _decode_pv(S, v_cache, plan.block_table, key0, n_kv, b.att[r])
     quantize_into(b.att.reshape(R, Hq * hd), ACT_KIND[w.wo_type], b.q8_o)
     matmul_row(w.wo, w.wo_type, b.q8_o, b.runs, b.o)
@@ -230,9 +231,12 @@ def decode_layer(x, cs, w, k_cache, v_cache, plan, b):
 
 
 @njit(cache=True, error_model="numpy")
-def output_rows(x, norm, eps, layout, ggml_type, q8, runs, logits):
-    """The final norm and the output matrix for decode rows x (R, D) into logits (R, layout rows)."""
+def output_rows(x, norm, eps, layout, ggml_type, q8, runs, softcap, logits):
+    """The final norm and the output matrix for decode rows x (R, D) into logits (R, layout rows),
+    soft-capped at softcap when it is > 0 (gemma2)."""
     h = np.empty_like(x)
     _rms_norm_serial(x, norm, eps, h)
     quantize_into(h, ACT_KIND[ggml_type], q8)
     matmul_row(layout, ggml_type, q8, runs, logits)
+    if softcap > 0:
+        soft_cap_rows(logits, softcap)

@@ -285,6 +285,16 @@ def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Se
     return cs
 
 
+@njit(cache=True, error_model="numpy")   # no fastmath: three float32 roundings, as ggml's ops
+def soft_cap_rows(x, cap):
+    """x (R, N) in place: cap * tanhf(x * (1/cap)), llama.cpp's soft-capping (ggml_scale, ggml_tanh,
+    ggml_scale; numba's float32 math.tanh is libm's tanhf, numpy's np.tanh is not)."""
+    inv = np.float32(1.0) / cap
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            x[r, j] = cap * math.tanh(x[r, j] * inv)
+
+
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None,
          table: np.ndarray | None = None) -> np.ndarray:
     """Rotary embedding as ggml_rope (freq_scale 1, no YaRN). x (T, H, hd) -> (T, H, hd).

@@ -26,14 +26,21 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """gemma2's score soft-capping, cap * tanh(s / cap), with tanh as 1 - 2 / (exp(2x) + 1)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap)) + 1.0))
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, o_ptr,
-    T, q_start, qk_scale, window,
+    T, q_start, qk_scale, softcap, window,
     s_qt, s_qh,                     # q (T, Hq, hd), last dim contiguous
     s_kb, s_ks, s_kh,               # cache (n_blocks, bs, Hkv, hd), last dim contiguous
     s_ot, s_oh,
     GROUP: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Program (query tile, query head): BLOCK_M query rows against the visible keys, tiled by BLOCK_N."""
     pid_m = tl.program_id(0)
@@ -64,7 +71,10 @@ def _prefill_kernel(
         kv_off = blk.to(tl.int64) * s_kb + (offs_n % BS) * s_ks + kvh * s_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC).to(tl.float32) * qk_scale                             # (BLOCK_M, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC).to(tl.float32)          # (BLOCK_M, BLOCK_N)
+        if HAS_SOFTCAP:
+            s = _soft_cap(s, softcap)
+        s = s * qk_scale
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         if HAS_WINDOW:
             visible = visible & ((pos[:, None] - offs_n[None, :]) < window)
@@ -98,7 +108,7 @@ def _check(q, k_cache, v_cache, block_table, n_pos):
 
 
 def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: float, window: int = 0,
-                      block_m: int = 0, block_n: int = 0, num_warps: int = 0):
+                      block_m: int = 0, block_n: int = 0, num_warps: int = 0, softcap: float = 0.0):
     """q (T, Hq, hd) at positions q_start.. over keys 0..q_start+T-1 already in the cache -> (T, Hq, hd).
 
     Grid (ceil(T / BLOCK_M), Hq). BLOCK_M/BLOCK_N default to 64/64 for hd <= 64, 64/32 above
@@ -125,13 +135,13 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
     grid = (triton.cdiv(T, block_m), Hq)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, out,
-        T, int(q_start), float(scale) * LOG2E, int(window),
+        T, int(q_start), float(scale) * LOG2E, float(softcap), int(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
         GROUP=Hq // k_cache.shape[2], BS=k_cache.shape[1], HD=hd, BLOCK_D=triton.next_power_of_2(hd),
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window > 0,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else None, HAS_SOFTCAP=softcap > 0, num_warps=num_warps,
     )
     return out
 
@@ -142,13 +152,13 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_ptr, m_ptr, l_ptr,
-    qk_scale, window,
+    qk_scale, softcap, window,
     s_qb, s_qh,                     # q (B, Hq, hd)
     s_kb, s_ks, s_kh,               # cache
     s_btb,                          # block_tables (B, max_blocks)
     s_ob, s_oh, s_os,               # o_part (B, Hq, S, hd) fp32; m/l (B, Hq, S) contiguous
     N_SPLITS: tl.constexpr, GROUP: tl.constexpr, BS: tl.constexpr, HD: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """Program (sequence, query head, split): the query at position n_kv-1 over its share of the keys.
 
@@ -183,7 +193,10 @@ def _decode_partial_kernel(
         kv_off = blk.to(tl.int64) * s_kb + (offs_n % BS) * s_ks + kvh * s_kh
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], 1) * qk_scale                  # (BLOCK_N,)
+        s = tl.sum(k * q[None, :], 1)                             # (BLOCK_N,)
+        if HAS_SOFTCAP:
+            s = _soft_cap(s, softcap)
+        s = s * qk_scale
         s = tl.where(n_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
@@ -257,7 +270,7 @@ def choose_splits(max_kv: int, batch: int, n_q_heads: int, device: torch.device,
 
 
 def attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
-                     n_splits: int = 0, max_kv: int = 0, block_n: int = 0):
+                     n_splits: int = 0, max_kv: int = 0, block_n: int = 0, softcap: float = 0.0):
     """Flash-decoding: one query per sequence.
 
     q (B, Hq, hd) (or (Hq, hd) for one sequence), the query of sequence b at position
@@ -291,13 +304,13 @@ def attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, 
     l_part = torch.empty((B, Hq, n_splits), dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(B, Hq, n_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, o_part, m_part, l_part,
-        float(scale) * LOG2E, int(window),
+        float(scale) * LOG2E, float(softcap), int(window),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         N_SPLITS=n_splits, GROUP=Hq // k_cache.shape[2], BS=k_cache.shape[1], HD=hd,
-        BLOCK_D=BLOCK_D, BLOCK_N=block_n, HAS_WINDOW=window > 0, num_warps=4,
+        BLOCK_D=BLOCK_D, BLOCK_N=block_n, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, num_warps=4,
     )
     out = torch.empty_like(q)
     _decode_merge_kernel[(B, Hq)](

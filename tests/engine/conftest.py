@@ -1,4 +1,4 @@
-"""Tiny random-weight GGUFs (llama, qwen2, qwen3, gemma3) written with gguf.GGUFWriter, loadable by both
+"""Tiny random-weight GGUFs (llama, qwen2, qwen3, gemma2, gemma3) written with gguf.GGUFWriter, loadable by both
 llama.cpp and the native engine.
 
 Dimensions are the smallest the K-quants allow (every matrix's row length is a multiple of 256).
@@ -21,7 +21,9 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
          "▁и", "▁кот", "▁сидел", "▁print", "▁(", "▁)", "▁:", "▁=", "▁+", "▁1"]
 N_VOCAB = 320
 GEMMA_WINDOW = 8
-ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
+ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "gemma2": 4, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
+# gemma2's soft-caps, small enough that these random models' scores and logits bend under them
+GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 # K-quant f16 scale fields (byte ranges) that must hold finite, small values
@@ -57,10 +59,12 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
 
 
 def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None,
-                     rope_scaling: str | None = None) -> Path:
+                     rope_scaling: str | None = None,
+                     softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP)) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
-    or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN)."""
+    or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN).
+    softcaps: gemma2's attention and final logit soft-caps."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -72,11 +76,14 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     w.add_head_count_kv(N_HEAD_KV)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(rope_base or (1e4 if arch != "gemma3" else 1e6))
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(softcaps[0])
+        w.add_final_logit_softcapping(softcaps[1])
     w.add_file_type(0)
-    if arch in ("gemma3", "qwen3"):
+    if arch in ("gemma2", "gemma3", "qwen3"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(GEMMA_WINDOW)
     else:
         w.add_rope_dimension_count(HEAD_DIM)
@@ -105,7 +112,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     if rope_scaling == "llama3":     # factors 1 (high frequencies) .. 8 (low), as Llama 3's scaling makes them
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
     mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
-    if arch != "gemma3":  # gemma3 ties the output to token_embd
+    if arch not in ("gemma2", "gemma3"):  # the gemmas tie the output to token_embd
         mat("output.weight", N_VOCAB, N_EMBD, 0.5)
     vec("output_norm.weight", N_EMBD)
     qd, kvd = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
@@ -122,7 +129,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         if arch in ("gemma3", "qwen3"):
             vec(p + "attn_q_norm.weight", HEAD_DIM)
             vec(p + "attn_k_norm.weight", HEAD_DIM)
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             vec(p + "post_attention_norm.weight", N_EMBD)
             vec(p + "post_ffw_norm.weight", N_EMBD)
         vec(p + "ffn_norm.weight", N_EMBD)

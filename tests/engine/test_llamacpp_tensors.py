@@ -185,7 +185,7 @@ def test_softmax_is_llama_cpps(which, request):
     kq_scale = 1.0 if cfg.scale_q else cfg.attn_scale                     # llama.cpp scales gemma's Q instead
     scores = np.ascontiguousarray(kq.reshape(-1, kq.shape[-1]), np.float32)   # (Hq, n_kv)
     for row in scores:
-        _softmax_row(row, 0, row.shape[0], 0, 0, pos, np.float32(kq_scale))   # keys past pos: not written yet
+        _softmax_row(row, 0, row.shape[0], 0, 0, pos, np.float32(kq_scale), np.float32(0))   # keys past pos: not written yet
     theirs = _get(tensors, "kq_soft_max-0").reshape(-1, kq.shape[-1]).astype(np.float16).astype(np.float32)
     assert _ulps(scores, theirs) == 0
 

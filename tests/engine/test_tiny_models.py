@@ -35,7 +35,7 @@ from core.native_backend import NativeBackend
 from kernels.reference import dequantize_ref
 from tests.engine import conftest as fx
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
 DECODE_TOL, PREFILL_TOL = 0.01, 0.08
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, fx.N_VOCAB, 39)]  # 40 > 2 cache blocks, > window
 
@@ -113,7 +113,8 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
 # Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight) and linear scaling.
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
-              ("qwen3", 1e6, None), ("gemma3", None, None), ("llama", 5e5, "llama3"), ("llama", 1e4, "linear")]
+              ("qwen3", 1e6, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
+              ("llama", 1e4, "linear")]
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
@@ -165,6 +166,26 @@ def test_rope_scaling_is_read_from_the_file(tiny_model):
             native.close()
     for base, scaling in ((5e5, "llama3"), (1e4, "linear")):
         assert np.abs(logits(base, scaling) - logits(base)).max() > 1e-2, scaling
+
+
+def test_gemma2_soft_caps_bend_these_models(tiny_model, tmp_path):
+    """The gemma2 cases above are not vacuous: with caps too high to bend anything the same weights
+    give other logits, for each cap; and the capped logits stay within the final cap."""
+    from core.tokenizer import Tokenizer
+    from models.gguf_file import open_model
+
+    def logits(g, tok):
+        native = NativeBackend(g, tok, 256, 2)
+        try:
+            return native.logits_all(IDS)
+        finally:
+            native.close()
+    capped = logits(*tiny_model("gemma2", "Q8_0"))
+    assert np.abs(capped).max() < fx.GEMMA2_FINAL_SOFTCAP
+    for caps in ((1e6, fx.GEMMA2_FINAL_SOFTCAP), (fx.GEMMA2_ATTN_SOFTCAP, 1e6)):
+        g = open_model(fx.write_tiny_model(tmp_path / f"g2-{caps[0]:g}-{caps[1]:g}.gguf", "gemma2", "Q8_0",
+                                           softcaps=caps))
+        assert np.abs(logits(g, Tokenizer.from_gguf(g)) - capped).max() > 1e-2, caps
 
 
 @pytest.mark.parametrize("arch", ARCHS)

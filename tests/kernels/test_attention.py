@@ -267,3 +267,26 @@ def test_decode_rows_rejects_keys_outside_the_table():
         attention_decode_rows(q, k_cache, k_cache, np.zeros((1, 1), np.int32), np.array([17]), 0.125)
     with pytest.raises(ValueError, match="more than 1 blocks"):
         block_slots(np.zeros(1, np.int32), 10, 7, 16)
+
+
+@pytest.mark.parametrize("softmax", SOFTMAXES)
+def test_soft_capped_scores(softmax):
+    """gemma2's soft-capping in the prefill, decode and decode-rows kernels of either softmax, against
+    float64 with the cap applied to the raw scores (bit for bit against llama.cpp: the tiny gemma2
+    models in tests/engine). The llama.cpp softmax rounds probabilities to float16: ~1e-3 of |v|."""
+    rng = np.random.default_rng(13)
+    k_cache, v_cache, table, k, v = _cache(45, 2, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = round_to_f16(rng.standard_normal((45, 4, 64)).astype(np.float32) * 3)
+    ref = attention_ref(q, k, v, 0, 0.5, 0, softcap=5.0)
+    assert np.abs(ref - attention_ref(q, k, v, 0, 0.5, 0)).max() > 1e-2           # the cap bends these scores
+    tol = dict(atol=2e-3, rtol=2e-3) if softmax == "llama.cpp" else dict(atol=ONLINE_ATOL, rtol=ONLINE_RTOL)
+    np.testing.assert_allclose(attention_prefill(q, k_cache, v_cache, table, 0, 0.5, softmax=softmax, softcap=5.0),
+                               ref, **tol)
+    dec = attention_decode(q[-1], k_cache, v_cache, table, 45, 0.5, n_splits=3, softmax=softmax, softcap=5.0)
+    np.testing.assert_allclose(dec, ref[-1], **tol)
+    if softmax == "llama.cpp":                 # many one-token rows in one call: each equals its decode
+        rows = attention_decode_rows(q[-3:], k_cache, v_cache, np.stack([table] * 3), np.array([43, 44, 45]), 0.5,
+                                     softcap=5.0)
+        np.testing.assert_array_equal(rows[-1], attention_decode(q[-1], k_cache, v_cache, table, 45, 0.5,
+                                                                 softcap=5.0))

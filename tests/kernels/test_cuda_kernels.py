@@ -120,6 +120,21 @@ def test_decode_matches_reference(dtype, hd, bs, n_kv, group, window, seq_lens, 
         torch.testing.assert_close(out[b].float().cpu(), torch.from_numpy(ref), **TOL[dtype])
 
 
+def test_soft_capped_scores_match_reference():
+    """gemma2's score soft-capping in both kernels (a cap small enough to bend these scores)."""
+    rng = np.random.default_rng(21)
+    N, hd, bs = 37, 64, 16
+    k_cache, v_cache, bts = _paged_cache(rng, N, 1, hd, bs, torch.float32)
+    q = torch.from_numpy(rng.standard_normal((5, 2, hd)).astype(np.float32)).to(DEVICE)
+    k, v = gather_kv_ref(_np(k_cache), _np(bts[0]).astype(np.int64), N), gather_kv_ref(_np(v_cache), _np(bts[0]).astype(np.int64), N)
+    ref = attention_ref(_np(q), k, v, N - 5, 0.125, 0, softcap=3.0)
+    assert not np.allclose(ref, attention_ref(_np(q), k, v, N - 5, 0.125), atol=1e-3)     # the cap bends them
+    pre = attention_prefill(q, k_cache, v_cache, bts[0], N - 5, 0.125, softcap=3.0)
+    torch.testing.assert_close(pre.cpu(), torch.from_numpy(ref), atol=2e-5, rtol=2e-5)
+    dec = attention_decode(q[-1], k_cache, v_cache, bts[0], [N], 0.125, n_splits=2, softcap=3.0)
+    torch.testing.assert_close(dec.cpu(), torch.from_numpy(ref[-1]), atol=2e-5, rtol=2e-5)
+
+
 def test_decode_single_sequence_matches_prefill_last_row():
     """(Hq, hd) query + 1-D block table, the engine's batch-1 call, equals prefill's last row."""
     rng = np.random.default_rng(3)
@@ -372,14 +387,16 @@ def comp(fn, sig, consts, options=None):
 i32 = "i32"
 for dt, prec, w in (("fp32", "ieee", False), ("fp16", None, True)):
     sig = dict(q_ptr="*" + dt, k_ptr="*" + dt, v_ptr="*" + dt, bt_ptr="*i32", o_ptr="*" + dt, T=i32, q_start=i32,
-               qk_scale="fp32", window=i32, s_qt=i32, s_qh=i32, s_kb=i32, s_ks=i32, s_kh=i32, s_ot=i32, s_oh=i32)
-    c = dict(GROUP=7, BS=16, HD=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, HAS_WINDOW=w, DOT_PREC=prec)
+               qk_scale="fp32", softcap="fp32", window=i32, s_qt=i32, s_qh=i32, s_kb=i32, s_ks=i32, s_kh=i32, s_ot=i32,
+               s_oh=i32)
+    c = dict(GROUP=7, BS=16, HD=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, HAS_WINDOW=w, DOT_PREC=prec, HAS_SOFTCAP=w)
     comp(A._prefill_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 sig = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", lens_ptr="*i32", o_ptr="*fp32", m_ptr="*fp32",
-           l_ptr="*fp32", qk_scale="fp32", window=i32, s_qb=i32, s_qh=i32, s_kb=i32, s_ks=i32, s_kh=i32, s_btb=i32,
-           s_ob=i32, s_oh=i32, s_os=i32)
-c = dict(N_SPLITS=3, GROUP=7, BS=16, HD=64, BLOCK_D=64, BLOCK_N=64, HAS_WINDOW=True)
-comp(A._decode_partial_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
+           l_ptr="*fp32", qk_scale="fp32", softcap="fp32", window=i32, s_qb=i32, s_qh=i32, s_kb=i32, s_ks=i32,
+           s_kh=i32, s_btb=i32, s_ob=i32, s_oh=i32, s_os=i32)
+for cap in (False, True):
+    c = dict(N_SPLITS=3, GROUP=7, BS=16, HD=64, BLOCK_D=64, BLOCK_N=64, HAS_WINDOW=True, HAS_SOFTCAP=cap)
+    comp(A._decode_partial_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 sig = dict(o_part_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp16", s_ob=i32, s_oh=i32, s_os=i32,
            s_outb=i32, s_outh=i32)
 c = dict(N_SPLITS=5, BLOCK_S=8, HD=80, BLOCK_D=128)
