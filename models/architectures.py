@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "llama": ("models.llama", "LlamaConfig"),
     "qwen2": ("models.qwen2", "Qwen2Config"),
     "qwen3": ("models.qwen3", "Qwen3Config"),
+    "phi3": ("models.phi3", "Phi3Config"),
     "gemma2": ("models.gemma2", "Gemma2Config"),
     "gemma3": ("models.gemma3", "Gemma3Config"),
 }
@@ -25,6 +26,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by
 # 1 / rope.scaling.factor. YaRN and LongRoPE are not built yet (GGUFFile.unsupported says so).
 ROPE_SCALING_TYPES = ("none", "linear")
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def load_config(g: "GGUFFile") -> "DecoderConfig":

@@ -21,6 +21,7 @@ Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -94,6 +95,22 @@ class TorchMatrix:
     def nbytes(self) -> int:
         return (self.dense if self.quantized is None else self.quantized).nbytes
 
+    def split(self, sizes: Sequence[int]) -> list["TorchMatrix"]:
+        """Consecutive row blocks of these sizes as matrices of their own, sharing this one's storage
+        (a file's fused matrix: phi3's attn_qkv, ffn_up). Quantized rows are whole blocks: a row
+        range of the uint8 tensor is a matrix of its own."""
+        parts, r0 = [], 0
+        for n in sizes:
+            part = copy.copy(self)
+            part.n_rows = int(n)
+            if self.quantized is None:
+                part.dense = self.dense[r0:r0 + n]
+            else:
+                part.quantized = self.quantized[r0:r0 + n]
+            parts.append(part)
+            r0 += n
+        return parts
+
 
 @dataclass
 class TorchLayer:
@@ -140,14 +157,19 @@ class TorchDecoder:
         self.layers: list[TorchLayer] = []
         for il in range(cfg.n_layer):
             p = f"blk.{il}."
+            qd, kvd = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+            qkv = (matrix(p + "attn_qkv.weight").split((qd, kvd, kvd)) if p + "attn_qkv.weight" in g.tensors
+                   else [matrix(p + f"attn_{n}.weight") for n in "qkv"])          # (phi3: one matrix)
+            gate_up = ([matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")] if p + "ffn_gate.weight" in g.tensors
+                       else matrix(p + "ffn_up.weight").split((cfg.n_ff, cfg.n_ff)))   # (phi3: gate, then up)
             self.layers.append(TorchLayer(
-                vector(p + "attn_norm.weight"), *(matrix(p + f"attn_{n}.weight") for n in "qkv"),
+                vector(p + "attn_norm.weight"), *qkv,
                 *(vector(p + f"attn_{n}.bias") for n in "qkv"),
                 vector(p + "attn_q_norm.weight") if cfg.qk_norm else None,
                 vector(p + "attn_k_norm.weight") if cfg.qk_norm else None,
                 matrix(p + "attn_output.weight"),
                 vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
-                vector(p + "ffn_norm.weight"), matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight"),
+                vector(p + "ffn_norm.weight"), *gate_up,
                 matrix(p + "ffn_down.weight"),
                 vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
                 cfg.layer_window[il], cfg.layer_rope_base[il]))

@@ -296,46 +296,51 @@ class Projections:
     """Matrices that read the same input (q, k, v; gate, up). On the exact path consecutive members
     of one weight type run as one matmul over their concatenated rows: one pass over the weights,
     one parallel region, one quantized x (each row's numbers are its own, so the split is exact).
-    The float path takes the members one by one."""
+    The float path takes the members one by one. With `split`, the file already holds the members
+    as one matrix (phi3's attn_qkv and ffn_up): one matmul on either path, its output split."""
 
-    def __init__(self, w: Weights, names: Sequence[str]):
+    def __init__(self, w: Weights, names: Sequence[str], split: Sequence[int] | None = None):
         self.parts: list[tuple[QMatrix, list[int]]] = []       # (matrix, member indices)
-        i = 0
-        while i < len(names):
-            j = len(names)
-            while j > i + 1 and not w.fusable(names[i:j]):
-                j -= 1
-            self.parts.append((w.fused(names[i:j]) if j > i + 1 else w.matrix(names[i]), list(range(i, j))))
-            i = j
-        # the members themselves, for the float path (their exact layout is the group's)
-        self.members = [m if len(idx) == 1 else None for m, idx in self.parts for _ in idx]
-        for (m, idx) in self.parts:
-            if len(idx) > 1:
-                for k in idx:
-                    self.members[k] = w.matrix(names[k], build_exact=False)
+        if split is not None:                                   # names[0]: the members' rows in order
+            self.parts.append((w.matrix(names[0]), list(range(len(split)))))
+            self.members: list[QMatrix | None] = [None] * len(split)
+            sizes = list(split)
+        else:
+            i = 0
+            while i < len(names):
+                j = len(names)
+                while j > i + 1 and not w.fusable(names[i:j]):
+                    j -= 1
+                self.parts.append((w.fused(names[i:j]) if j > i + 1 else w.matrix(names[i]), list(range(i, j))))
+                i = j
+            # the members themselves, for the float path (their exact layout is the group's)
+            self.members = [m if len(idx) == 1 else None for m, idx in self.parts for _ in idx]
+            for (m, idx) in self.parts:
+                if len(idx) > 1:
+                    for k in idx:
+                        self.members[k] = w.matrix(names[k], build_exact=False)
+            sizes = [m.n_rows for m in self.members]
+        self.sizes = sizes
         # member k's output: columns col0 .. col0 + n_rows of part p's output
         self.where: list[tuple[int, int, int]] = []
         for p, (_, idx) in enumerate(self.parts):
             col0 = 0
             for k in idx:
-                self.where.append((p, col0, self.members[k].n_rows))
-                col0 += self.members[k].n_rows
+                self.where.append((p, col0, sizes[k]))
+                col0 += sizes[k]
 
     def __call__(self, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict) -> list[np.ndarray]:
-        if llama_rounding:
-            outs = []
-            for m, idx in self.parts:
-                if len(idx) == 1:
-                    outs.append(_mm(m, x, plan, True, shared))
-                    continue
-                y = _mm(m, x, plan, True, shared)                              # (T, sum of members' rows)
-                c0 = 0
-                for k in idx:
-                    n = self.members[k].n_rows
-                    outs.append(y[:, c0:c0 + n])
-                    c0 += n
-            return outs
-        return [_mm(m, x, plan, False, shared) for m in self.members]
+        outs = []
+        for m, idx in self.parts:
+            if len(idx) > 1 and not llama_rounding and self.members[idx[0]] is not None:
+                outs.extend(_mm(self.members[k], x, plan, False) for k in idx)
+                continue
+            y = _mm(m, x, plan, llama_rounding, shared)                     # (T, sum of members' rows)
+            c0 = 0
+            for k in idx:
+                outs.append(y[:, c0:c0 + self.sizes[k]])
+                c0 += self.sizes[k]
+        return outs
 
     def matrices(self):
         yield from (m for m, _ in self.parts)
@@ -349,16 +354,21 @@ class Block:
         self.cfg, self.il = cfg, il
         self.window, self.rope_base = cfg.layer_window[il], cfg.layer_rope_base[il]
         self.attn_norm = w.vector(p + "attn_norm.weight")
-        self.qkv = Projections(w, [p + f"attn_{n}.weight" for n in "qkv"])
-        self.wq, self.wk, self.wv = self.qkv.members
+        qd, kvd = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        if p + "attn_qkv.weight" in w:                                      # phi3: one matrix
+            self.qkv = Projections(w, [p + "attn_qkv.weight"], split=(qd, kvd, kvd))
+        else:
+            self.qkv = Projections(w, [p + f"attn_{n}.weight" for n in "qkv"])
         self.wo = w.matrix(p + "attn_output.weight")
         self.bq, self.bk, self.bv = (w.maybe_vector(p + f"attn_{n}.bias") for n in "qkv")
         self.q_norm = w.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
         self.post_attn_norm = w.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
-        self.gate_up = Projections(w, [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        self.w_gate, self.w_up = self.gate_up.members
+        if p + "ffn_gate.weight" in w:
+            self.gate_up = Projections(w, [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        else:                                                               # phi3: ffn_up holds gate, then up
+            self.gate_up = Projections(w, [p + "ffn_up.weight"], split=(cfg.n_ff, cfg.n_ff))
         self.w_down = w.matrix(p + "ffn_down.weight")
         self.post_ffn_norm = w.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
         self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu

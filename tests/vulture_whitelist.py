@@ -9,9 +9,9 @@ exc, tb  # core/history.py: __exit__'s signature
 _.pre_tokenizer  # core/tokenizer.py: set on the HF tokenizers object
 _.model_type, _.byte_fallback, _.vocab_size, _.add_dummy_prefix  # core/tokenizer.py: sentencepiece proto fields
 _.remove_extra_whitespaces, _.escape_whitespaces, _.score  # core/tokenizer.py: sentencepiece proto fields
-LlamaConfig, Qwen2Config, Gemma3Config  # models/architectures.py: looked up by name in the table
+LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config, Gemma2Config, Gemma3Config  # models/architectures.py: by name
 n_ctx_train, n_ff  # models/transformer.py: the model's trained context and FFN width, config fields
-_.wq, _.wv, _.w_up  # models/transformer.py: unpacked beside wk / w_gate, which are read
 pytestmark  # tests: pytest reads it
 _isolated_dirs, qwen15_path  # tests: pytest fixtures, requested by name
 _.cb_eval  # tests/engine/test_llamacpp_tensors.py: a llama.cpp context parameter (ctypes field)
+_.nthread  # tests/engine/conftest.py: a llama_model_quantize parameter (ctypes field)

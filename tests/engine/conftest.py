@@ -1,4 +1,4 @@
-"""Tiny random-weight GGUFs (llama, qwen2, qwen3, gemma2, gemma3) written with gguf.GGUFWriter, loadable by both
+"""Tiny random-weight GGUFs (llama, qwen2, qwen3, phi3, gemma2, gemma3) written with gguf.GGUFWriter, loadable by both
 llama.cpp and the native engine.
 
 Dimensions are the smallest the K-quants allow (every matrix's row length is a multiple of 256).
@@ -21,7 +21,7 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
          "▁и", "▁кот", "▁сидел", "▁print", "▁(", "▁)", "▁:", "▁=", "▁+", "▁1"]
 N_VOCAB = 320
 GEMMA_WINDOW = 8
-ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "gemma2": 4, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
+ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
@@ -63,7 +63,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
                      softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP)) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
-    or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN).
+    or "linear" / "yarn" (rope.scaling.type, factor 4), or "longrope" (phi3's factor tensors); kvchat's
+    engines do not run YaRN and LongRoPE.
     softcaps: gemma2's attention and final logit soft-caps."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
@@ -111,6 +112,9 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
 
     if rope_scaling == "llama3":     # factors 1 (high frequencies) .. 8 (low), as Llama 3's scaling makes them
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
+    if rope_scaling == "longrope":   # phi3's 128k models: two factor sets (kvchat's engines do not run them)
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.geomspace(1.0, 4.0, HEAD_DIM // 2).astype(np.float32))
     mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
     if arch not in ("gemma2", "gemma3"):  # the gemmas tie the output to token_embd
         mat("output.weight", N_VOCAB, N_EMBD, 0.5)
@@ -119,9 +123,12 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     for il in range(n_layer):
         p = f"blk.{il}."
         vec(p + "attn_norm.weight", N_EMBD)
-        mat(p + "attn_q.weight", qd, N_EMBD, 0.15)
-        mat(p + "attn_k.weight", kvd, N_EMBD, 0.15)
-        mat(p + "attn_v.weight", kvd, N_EMBD, 0.1)
+        if arch == "phi3":          # q, k and v in one matrix
+            mat(p + "attn_qkv.weight", qd + 2 * kvd, N_EMBD, 0.15)
+        else:
+            mat(p + "attn_q.weight", qd, N_EMBD, 0.15)
+            mat(p + "attn_k.weight", kvd, N_EMBD, 0.15)
+            mat(p + "attn_v.weight", kvd, N_EMBD, 0.1)
         mat(p + "attn_output.weight", N_EMBD, qd, 0.06)
         if arch == "qwen2":
             for n, d in (("q", qd), ("k", kvd), ("v", kvd)):
@@ -133,8 +140,11 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
             vec(p + "post_attention_norm.weight", N_EMBD)
             vec(p + "post_ffw_norm.weight", N_EMBD)
         vec(p + "ffn_norm.weight", N_EMBD)
-        mat(p + "ffn_gate.weight", N_FF, N_EMBD, 0.1)
-        mat(p + "ffn_up.weight", N_FF, N_EMBD, 0.1)
+        if arch == "phi3":          # gate and up in one matrix, the gate first
+            mat(p + "ffn_up.weight", 2 * N_FF, N_EMBD, 0.1)
+        else:
+            mat(p + "ffn_gate.weight", N_FF, N_EMBD, 0.1)
+            mat(p + "ffn_up.weight", N_FF, N_EMBD, 0.1)
         mat(p + "ffn_down.weight", N_EMBD, N_FF, 0.05)
     w.write_header_to_file()
     w.write_kv_data_to_file()

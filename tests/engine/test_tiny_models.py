@@ -35,7 +35,7 @@ from core.native_backend import NativeBackend
 from kernels.reference import dequantize_ref
 from tests.engine import conftest as fx
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 DECODE_TOL, PREFILL_TOL = 0.01, 0.08
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, fx.N_VOCAB, 39)]  # 40 > 2 cache blocks, > window
 
@@ -79,8 +79,14 @@ def _check(native, ref, tol, what):
     assert bad.size == 0, f"{what}: top-1 differs at positions {bad.tolist()}"
 
 
-@pytest.mark.parametrize("qtype", fx.QUANT_TYPES)
-@pytest.mark.parametrize("arch", ARCHS)
+# Left out: phi3 with random Q6_K blocks, whose logits reach 329 and which is chaotic under rounding:
+# the same F32 twin through the native engine with llama.cpp's roundings (f16 q, q8 activations)
+# lands 0.027 from llama.cpp, without them 24.5 (7%), beyond any fixed bound. Its Q6_K arithmetic is
+# covered exactly: test_native_equals_llamacpp_bit_for_bit[phi3-...-Q6_K].
+FLOAT_CASES = [(a, q) for a in ARCHS for q in fx.QUANT_TYPES if (a, q) != ("phi3", "Q6_K")]
+
+
+@pytest.mark.parametrize("arch,qtype", FLOAT_CASES)
 def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir, softmax="llama.cpp"):
     from models.gguf_file import open_model
     from core.tokenizer import Tokenizer
@@ -113,7 +119,7 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
 # Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight) and linear scaling.
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
-              ("qwen3", 1e6, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
+              ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
               ("llama", 1e4, "linear")]
 
 

@@ -24,7 +24,7 @@ from core.types import SamplingParams
 from models.errors import BadInputError
 
 CASES = [("llama", "Q8_0"), ("qwen2", "Q4_K"), ("gemma3", "Q6_K"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0"),
-         ("gemma2", "Q8_0"), ("llama", "Q4_0")]     # Q4_0: no Triton GEMV kernel, dequantized at load
+         ("gemma2", "Q8_0"), ("phi3", "Q4_K"), ("llama", "Q4_0")]   # Q4_0: no Triton GEMV kernel, dequantized at load
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, 320, 39)]   # 40: three cache blocks
 TOL = 0.01
 N_GREEDY = 16

@@ -28,7 +28,7 @@ def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, qtype):
             assert isinstance(b.exact, np.memmap) or isinstance(b.exact.base, np.memmap)   # mapped, not rebuilt
         np.testing.assert_array_equal(np.asarray(a.exact), np.asarray(b.exact))
     x = np.random.default_rng(0).standard_normal(fresh.cfg.n_embd).astype(np.float32)
-    w_fresh, w_cached = fresh.blocks[0].w_gate, cached.blocks[0].w_gate
+    w_fresh, w_cached = fresh.blocks[0].gate_up.members[0], cached.blocks[0].gate_up.members[0]   # gate
     np.testing.assert_array_equal(w_fresh.gemv(x), w_cached.gemv(x))
 
 
