@@ -1,7 +1,9 @@
 """Tokenizers built from the GGUF's own vocabulary, matching llama.cpp id for id.
 
-- tokenizer.ggml.model = "gpt2" (Qwen2): byte-level BPE through HF `tokenizers`, with the qwen2
-  pre-tokenizer regex.
+- tokenizer.ggml.model = "gpt2" (Qwen2/3, Llama 3): byte-level BPE through HF `tokenizers`, with the
+  pre-tokenizer regex llama.cpp picks for `tokenizer.ggml.pre` (qwen2's, or llama3's, which groups
+  digits by three and takes a pre-token that is a whole vocabulary entry as it is). Other pre types
+  get qwen2's regex: close, not token-exact.
 - tokenizer.ggml.model = "llama" (Gemma-3): SentencePiece BPE through `sentencepiece`, from a
   ModelProto we build from the GGUF's pieces and scores.
 
@@ -27,6 +29,14 @@ QWEN2_PRETOKENIZE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# ... and its "llama3" one (LLAMA_VOCAB_PRE_TYPE_LLAMA3): numbers in runs of up to three digits
+LLAMA3_PRETOKENIZE = QWEN2_PRETOKENIZE.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+# tokenizer.ggml.pre -> (regex, ignore_merges), as llama-vocab.cpp maps the names (a pre-token
+# that is itself in the vocabulary is taken whole under llama3's ignore_merges)
+BPE_PRETOKENIZERS = {
+    **{name: (QWEN2_PRETOKENIZE, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    **{name: (LLAMA3_PRETOKENIZE, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
+}
 # Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says (llama-vocab.cpp)
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
              "<|end▁of▁sentence|>", "<|return|>", "<|call|>", "<|eom_id|>")
@@ -51,7 +61,7 @@ class Tokenizer:
     def __init__(self, model: str, tokens: list[str], types: list[int], scores: list[float] | None,
                  merges: list[str] | None, bos_id: int | None, eos_id: int | None, add_bos: bool,
                  add_space_prefix: bool, eot_id: int | None = None, unk_id: int | None = None,
-                 cache_key: str | None = None):
+                 cache_key: str | None = None, pre: str | None = None):
         self.model = model
         self.tokens = tokens
         self.types = types
@@ -70,7 +80,7 @@ class Tokenizer:
                     if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) and t]
         self._specials = sorted(specials, key=lambda s: -len(s[0]))
         if model == "gpt2":
-            self._init_bpe(merges or [])
+            self._init_bpe(merges or [], pre)
         elif model == "llama":
             self._init_spm(scores or [0.0] * len(tokens))
         else:
@@ -91,19 +101,22 @@ class Tokenizer:
             add_space_prefix=bool(g.get("tokenizer.ggml.add_space_prefix", model == "llama")),
             eot_id=g.get("tokenizer.ggml.eot_token_id"), unk_id=g.get("tokenizer.ggml.unknown_token_id"),
             cache_key=f"{g.path.stem}-{g.file_size}-{int(g.path.stat().st_mtime)}",
+            pre=g.get("tokenizer.ggml.pre"),
         )
 
     # --- backends ---------------------------------------------------------------------------
-    def _init_bpe(self, merges: list[str]) -> None:
+    def _init_bpe(self, merges: list[str], pre: str | None) -> None:
         from tokenizers import Regex
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import models, pre_tokenizers
 
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        regex, ignore_merges = BPE_PRETOKENIZERS.get(pre, (QWEN2_PRETOKENIZE, False))
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                                    ignore_merges=ignore_merges))
         hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         self._hf = hf

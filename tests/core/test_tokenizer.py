@@ -83,3 +83,43 @@ def test_end_of_generation_tokens(qwen_path, gemma_path):
     gemma = Tokenizer.from_gguf(open_model(gemma_path))
     assert qwen.tokens.index("<|im_end|>") in qwen.eog_ids
     assert gemma.tokens.index("<end_of_turn>") in gemma.eog_ids and gemma.eos_id in gemma.eog_ids
+
+
+def _vocab_copy(src, dst, pre: str, extra_tokens: list[str], extra_merges: list[str]):
+    """A vocabulary-only GGUF: the registry model's metadata with another pre-tokenizer and a few
+    tokens and merges appended (gguf's own reader and writer)."""
+    import gguf
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.get_field("general.architecture").contents())
+    extra = {"tokenizer.ggml.pre": lambda v: pre, "tokenizer.ggml.tokens": lambda v: list(v) + extra_tokens,
+             "tokenizer.ggml.token_type": lambda v: list(v) + [1] * len(extra_tokens),
+             "tokenizer.ggml.merges": lambda v: list(v) + extra_merges}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = extra.get(name, lambda v: v)(field.contents())
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.real_model
+def test_llama3_pre_tokenizer_is_llamacpps(qwen_path, tmp_path):
+    """Llama 3's BPE pre-tokenizer (tokenizer.ggml.pre "llama-bpe"): digits in runs of up to three
+    and a pre-token that is itself a token taken whole (ignore_merges). The Qwen vocabulary with
+    "12", "123", "45" (and their merges) and "678" (no merges) appended shows both, id for id."""
+    path = _vocab_copy(qwen_path, tmp_path / "llama3-vocab.gguf", "llama-bpe", ["12", "123", "45", "678"],
+                       ["1 2", "12 3", "4 5"])
+    ours = Tokenizer.from_gguf(open_model(path))
+    theirs = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        for text in CORPUS[:12] + ["1234567890 678 12345678 99"]:
+            want = theirs.tokenize(text.encode(), add_bos=False, special=False)
+            assert ours.encode(text, add_bos=False) == want, text
+        ids = ours.encode("1234567890 678", add_bos=False)
+        assert ours.tokens.index("123") in ids and ours.tokens.index("678") in ids   # grouped, and taken whole
+    finally:
+        theirs.close()
