@@ -66,6 +66,40 @@ def card_bandwidth_gb_s(device_index: int = 0) -> tuple[str, float] | None:
     return props.name, peak_bandwidth_gb_s(clock, bus)
 
 
+def cpu_name() -> str:
+    """The CPU's model name, family and model (/proc/cpuinfo), or the platform's processor string."""
+    import platform
+    import re
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    get = lambda key: (m.group(1).strip() if (m := re.search(rf"^{key}\s*:(.*)$", info, re.M)) else "?")  # noqa: E731
+    return f"{get('model name')} (family {get('cpu family')}, model {get('model')})"
+
+
+def machine_bandwidth_gb_s() -> float:
+    """The machine's read bandwidth (kernels.cpu.bandwidth), measured once per CPU model and thread
+    count and kept in the cache dir: decode's GB/s is reported against it."""
+    import numba
+
+    from core.paths import cache_dir
+    path = cache_dir() / "bandwidth.json"
+    key = f"{cpu_name()} x {numba.get_num_threads()} threads"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict) or not isinstance(known.get(key), (int, float)) or known[key] <= 0:
+        from kernels.cpu.bandwidth import read_bandwidth_gb_s
+        print("measuring the machine's read bandwidth (once)…", file=sys.stderr)
+        known = {**(known if isinstance(known, dict) else {}), key: round(read_bandwidth_gb_s(), 2)}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(path)
+    return float(known[key])
+
+
 def random_prompt(rng: np.random.Generator, n: int, n_vocab: int, avoid: frozenset[int]) -> list[int]:
     ids = rng.integers(0, n_vocab, size=n).tolist()
     return [i if i not in avoid else 0 for i in ids]
@@ -384,6 +418,7 @@ def cmd_bench(args) -> int:
                   f"{tg} {args.n_gen / decode_s:.1f} t/s", file=sys.stderr)
 
     card = card_bandwidth_gb_s() if "cuda" in devices.values() else None
+    memory = machine_bandwidth_gb_s() if "cpu" in devices.values() else None   # the CPU's measured read GB/s
     names = list(devices)
     rows = []
     for (name, test), values in samples.items():
@@ -402,11 +437,16 @@ def cmd_bench(args) -> int:
                 if card is not None and devices[name] == "cuda":
                     row.update(gpu=card[0], peak_gb_s=round(card[1], 1),
                                pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / card[1], 1))
+                elif memory is not None and devices[name] == "cpu":
+                    row.update(peak_gb_s=memory, pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / memory, 1))
         rows.append(row)
     order = {pp: 0, tg: 1, "ttft": 2}
     rows.sort(key=lambda r: (order[r["test"]], names.index(r["backend"])))
     if card is not None:
         print(f"GPU: {card[0]}, peak memory bandwidth {card[1]:.0f} GB/s", file=sys.stderr if args.json else sys.stdout)
+    if memory is not None:
+        print(f"CPU: {cpu_name()}, measured read bandwidth {memory:.1f} GB/s on {args.threads or 'all'} threads "
+              "(decode's % peak is against it)", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -138,3 +138,20 @@ def test_bench_on_the_gpu_reports_share_of_peak_and_transformers(tiny_gguf):
     assert f"GPU: {name}, peak memory bandwidth {peak:.0f} GB/s" in out.stderr.decode()
     if not transformers_installed():
         assert "transformers is not installed" in out.stderr.decode()
+
+
+def test_the_cpus_read_bandwidth_is_measured_once_and_kept(tmp_path, monkeypatch):
+    """bench reports CPU decode GB/s against the machine's measured read bandwidth: measured on
+    first use (a positive number), then read from the cache dir; a damaged entry is measured again."""
+    import app.bench as bench
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    first = bench.machine_bandwidth_gb_s()
+    path = tmp_path / "bandwidth.json"
+    entries = json.loads(path.read_text())
+    assert first > 0 and list(entries.values()) == [first]
+    key = next(iter(entries))
+    assert bench.cpu_name() in key
+    path.write_text(json.dumps({key: 12.5}))
+    assert bench.machine_bandwidth_gb_s() == 12.5                   # kept, not measured again
+    path.write_text("{not json")
+    assert bench.machine_bandwidth_gb_s() > 0 and json.loads(path.read_text())[key] > 0
