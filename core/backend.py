@@ -149,6 +149,7 @@ class PagedBackend(Backend):
         if self.cache.n_blocks >= need:
             return
         self.seq.release()
+        self.cache = None                  # the old blocks go before the new ones are allocated
         self.cache = self.new_cache(need)
         self.seq = self.cache.new_sequence()
 

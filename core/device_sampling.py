@@ -8,7 +8,9 @@ read back. The uniform number of the draw comes from the host Sampler's generato
 candidate probabilities are float64 as on the host, so a seeded run picks the tokens the host
 sampler would pick from the same logits (tests check this on CPU tensors).
 
-The cut-offs are masks, not slices, so that no step needs a value back from the device.
+The cut-offs are masks, not slices, and scalars enter as Python numbers, so that no step waits for
+the device (a tensor built from host data is a blocking copy: the few ids of a logit bias or a
+penalty window go through pinned memory, asynchronously).
 """
 from __future__ import annotations
 
@@ -19,6 +21,14 @@ import torch
 from core.sampler import Sampler
 
 
+def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host numbers on the device without waiting for it (pinned memory, a non-blocking copy)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def penalized(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
     """Sampler.apply_penalties on a (n_vocab,) device tensor: bias, then the window's penalties."""
     p = sampler.params
@@ -26,14 +36,14 @@ def penalized(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
     if p.logit_bias:
         pairs = [(t, b) for t, b in p.logit_bias if t < z.shape[0]]
         if pairs:
-            ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=z.device)
-            bias = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=z.device)
+            ids = _to([t for t, _ in pairs], torch.int64, z.device)
+            bias = _to([b for _, b in pairs], torch.float32, z.device)
             z = z.index_add(0, ids, bias)
     if not sampler.recent or (p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0):
         return z
     counts = Counter(sampler.recent)
-    ids = torch.tensor(list(counts.keys()), dtype=torch.int64, device=z.device)
-    n = torch.tensor(list(counts.values()), dtype=torch.float32, device=z.device)
+    ids = _to(list(counts.keys()), torch.int64, z.device)
+    n = _to(list(counts.values()), torch.float32, z.device)
     picked = z[ids]
     picked = torch.where(picked > 0, picked / p.repeat_penalty, picked * p.repeat_penalty)
     z = z.clone()
@@ -56,9 +66,8 @@ def candidates(sampler: Sampler, z: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if p.top_p < 1 or p.min_p > 0:
         probs = torch.exp(zd - zd[0])
         probs = probs / probs.sum()
-        if p.top_p < 1:                  # the smallest prefix with mass >= top_p
-            n_keep = torch.searchsorted(torch.cumsum(probs, 0), torch.tensor([p.top_p], dtype=torch.float64,
-                                                                             device=z.device)) + 1
+        if p.top_p < 1:                  # the smallest prefix with mass >= top_p (numpy's searchsorted, left)
+            n_keep = (torch.cumsum(probs, 0) < p.top_p).sum() + 1
             keep &= torch.arange(k, device=z.device) < n_keep
         if p.min_p > 0:                  # probs are sorted: the kept ones are a prefix; the best always stays
             keep &= (probs >= p.min_p * probs[0]) | (torch.arange(k, device=z.device) == 0)
@@ -76,9 +85,8 @@ def sample_on_device(sampler: Sampler, logits: torch.Tensor) -> int:
         ids, probs = candidates(sampler, z)
         order = torch.argsort(ids)                       # draw in id order, as the host sampler does
         cdf = torch.cumsum(probs[order], 0)
-        u = torch.tensor([sampler.rng.random()], dtype=torch.float64, device=z.device)
         # numpy's Generator.choice: cdf /= cdf[-1], then the first index whose cdf exceeds u
-        idx = torch.searchsorted(cdf / cdf[-1], u, right=True).clamp_(max=cdf.shape[0] - 1)
+        idx = (cdf / cdf[-1] <= sampler.rng.random()).sum().clamp_(max=cdf.shape[0] - 1)
         token = int(ids[order][idx])
     sampler.remember([token])
     return token

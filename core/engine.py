@@ -111,6 +111,8 @@ def load_backend_or_cpu(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: 
         if not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
             raise
         line = f"out of GPU memory loading {gguf.path.name} ({str(e).splitlines()[0] if str(e) else 'no detail'})"
+    import gc
+    gc.collect()                       # the half-built engine's tensors, before the cache is emptied
     torch.cuda.empty_cache()
     if not auto:
         raise BadInputError(line + "; try --device cpu or a smaller --ctx")

@@ -77,7 +77,10 @@ def cuda_fits(gguf: GGUFFile, n_ctx: int) -> tuple[bool, str]:
     """Does the model with an n_ctx cache fit in the CUDA device's free memory? (yes, or no and a
     line saying how much it needs and how much is free)."""
     import torch
-    free, _ = torch.cuda.mem_get_info()
+    try:
+        free, _ = torch.cuda.mem_get_info()
+    except RuntimeError as e:          # a full device cannot even make a context
+        return False, f"the GPU's free memory could not be read ({str(e).splitlines()[0]})"
     need = device_bytes(gguf, n_ctx)
     return need <= free, f"the model and its KV cache need {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB are free"
 
@@ -108,9 +111,21 @@ class TorchBackend(PagedBackend):
         self._graphs = None
 
     def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
+        self._drop_graphs()
         cfg = self.model.cfg
         return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx, self.block_size, n_blocks,
                             storage=self.model.new_cache)
+
+    def _drop_graphs(self) -> None:
+        """Forget the decode graphs (they hold a cache's tensors) and give their memory back."""
+        if getattr(self, "_graphs", None) is not None:
+            self._graphs = None
+            import torch
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self._drop_graphs()
+        super().close()
 
     def _decode_graphs(self):
         """The CUDA graphs of the decode step for the current cache (captured batch by batch)."""

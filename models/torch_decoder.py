@@ -83,6 +83,8 @@ class TorchMatrix:
         else:
             w = dequantize_rows(self.quantized, self.ggml_type, self.n_cols, dtype=self.dtype,
                                 out=self.scratch.matrix(self.n_rows, self.n_cols))
+        if w.dtype == torch.float16:     # (CUDA) float32 out: a float16 product overflows past 65504
+            return torch.mm(x.to(w.dtype), w.T, out_dtype=torch.float32)
         return (x.to(w.dtype) @ w.T).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

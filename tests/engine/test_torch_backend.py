@@ -11,6 +11,7 @@ position, and greedy decoding must pick the same 16 tokens.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -186,8 +187,10 @@ GPU = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="ne
 
 
 def on_gpu(script: str, *args: str) -> subprocess.CompletedProcess:
-    """A GPU check in its own process: this one has Triton in its interpreter for the CPU tests."""
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+    """A GPU check in its own process: this one has Triton in its interpreter for the CPU tests (and
+    TRITON_INTERPRET=1 in its environment, which the child must not inherit)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc
 
