@@ -17,10 +17,14 @@ import numpy as np
 from app.bench_hf import time_transformers
 from app.bench_hf import weight_bytes_per_token as hf_weight_bytes_per_token
 from core.engine import BACKEND_NAMES, cuda_available
+from core.tokenizer import Tokenizer
 from core.sampler import Sampler
 from core.types import SamplingParams
 from models import registry
 from models.errors import BadInputError
+from models.gguf_file import open_model
+
+PEER = "llama.cpp-peer"     # llama.cpp with every SIMD extension of this CPU, in its own process (app.peer)
 
 
 def weight_bytes_per_token(gguf) -> int:
@@ -351,11 +355,13 @@ def cmd_bench_modes(args, engines) -> int:
 
 def cmd_bench(args) -> int:
     from app.cli import load_engine
-    default = ["native", "llama.cpp"] + (["torch"] if args.device == "cuda" or cuda_available() else [])
+    default = ["native", PEER] + (["torch"] if args.device == "cuda" or cuda_available() else [])
     names = [b.strip() for b in (args.backend or ",".join(default)).split(",") if b.strip()]
     for name in names:
-        if name not in BACKEND_NAMES:
-            raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES)})")
+        if name not in BACKEND_NAMES + (PEER,) or name == "auto":
+            raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES[1:] + (PEER,))})")
+    if PEER in names and (args.batch or args.multiturn or args.speculative):
+        raise BadInputError(f"{PEER} takes part in the pp/tg/TTFT bench only")
     if args.n_prompt < 1 or args.n_gen < 1 or args.repetitions < 1:
         raise BadInputError("-p, -n and -r must be at least 1")
     if args.depth < 0:
@@ -372,22 +378,32 @@ def cmd_bench(args) -> int:
     if "torch" in names and args.device == "cuda":
         from core.engine import pick_backend
         pick_backend("torch", "cuda")          # no CUDA: one line and exit 2 before any model loads
-    engines, device = {}, args.device
+    engines, device, peer = {}, args.device, None
     for name in names:
+        if name == PEER:                      # in a process of its own (app.peer)
+            from app.peer import PeerEngine
+            from app.progress import stderr_progress
+            with stderr_progress() as progress:
+                path = registry.resolve(model, progress)
+            peer = PeerEngine(str(path), args.ctx, args.threads, log=lambda line: print(line, file=sys.stderr))
+            built = [f for f in ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI") if f"{f} = 1" in peer.info["system_info"]]
+            print(f"{PEER}: llama.cpp built with AVX2" + "".join(f", {f}" for f in built), file=sys.stderr)
+            continue
         args.backend, args.device = name, (device if name == "torch" else "cpu")
         engines[name] = load_engine(args, model)
     if args.batch:
         return cmd_bench_batch(args, engines)
     if args.multiturn or args.speculative:
         return cmd_bench_modes(args, engines)
-    first = next(iter(engines.values()))
-    n_vocab, avoid, gguf = first.tokenizer.n_vocab, first.tokenizer.eog_ids, first.gguf
-    devices = {name: engine.device for name, engine in engines.items()}
+    gguf = open_model(registry.resolve(model))
+    tokenizer = next(iter(engines.values())).tokenizer if engines else Tokenizer.from_gguf(gguf)
+    n_vocab, avoid = tokenizer.n_vocab, tokenizer.eog_ids
+    devices = {name: ("cpu" if name == PEER else engines[name].device) for name in names}
     bytes_per_token = {name: (torch_weight_bytes_per_token(gguf) if devices[name] == "cuda"
-                              else weight_bytes_per_token(gguf)) for name in engines}
+                              else weight_bytes_per_token(gguf)) for name in devices}
     hf = None
     if devices.get("torch") == "cuda":
-        hf = load_transformers_peer(first.path)
+        hf = load_transformers_peer(gguf.path)
         if hf is not None:
             devices["transformers"] = "cuda"
             bytes_per_token["transformers"] = hf_weight_bytes_per_token(hf)
@@ -399,6 +415,8 @@ def cmd_bench(args) -> int:
         time_decode(engine, 1, 4)
     if hf is not None:
         time_transformers(hf, random_prompt(rng, min(args.n_prompt, 64), n_vocab, avoid), 4, "cuda")
+    if peer is not None:
+        peer.time(random_prompt(rng, min(args.n_prompt, 64), n_vocab, avoid), 4)
 
     samples: dict[tuple[str, str], list[float]] = {}
     pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}" + (f"@d{args.depth}" if args.depth else "")
@@ -408,6 +426,8 @@ def cmd_bench(args) -> int:
             context = random_prompt(rng, args.depth, n_vocab, avoid) if args.depth else None
             if name == "transformers":
                 prompt_s, ttft_s, decode_s = time_transformers(hf, prompt, args.n_gen, "cuda", context)
+            elif name == PEER:
+                prompt_s, ttft_s, decode_s = peer.time(prompt, args.n_gen, context)
             else:
                 prompt_s, ttft_s = time_prefill(engines[name], prompt)
                 decode_s = time_decode(engines[name], prompt[0], args.n_gen, context)
@@ -456,6 +476,8 @@ def cmd_bench(args) -> int:
         plot(rows, args.plot, model)
     for engine in engines.values():
         engine.close()
+    if peer is not None:
+        peer.close()
     return 0
 
 
@@ -475,10 +497,12 @@ def load_transformers_peer(path):
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
-    """(backend, base) pairs the ratio lines compare: every engine against the last engine named,
-    and the torch engine against HF transformers when that peer ran."""
+    """(backend, base) pairs the ratio lines compare: every engine against the llama.cpp peer when
+    it ran (else against the last engine named), and the torch engine against HF transformers
+    when that peer ran."""
     engines = [n for n in names if n != "transformers"]
-    pairs = [(name, engines[-1]) for name in engines[:-1]] if engines else []
+    base = PEER if PEER in engines else (engines[-1] if engines else None)
+    pairs = [(name, base) for name in engines if name != base]
     if "transformers" in names and "torch" in engines:
         pairs.append(("torch", "transformers"))
     return pairs
@@ -486,13 +510,14 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 def print_table(rows: list[dict], names: list[str], bytes_per_token: dict[str, int]) -> None:
     peak = any("pct_of_peak" in r for r in rows)
-    print(f"{'backend':<12} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}" + (f" {'% peak':>6}" if peak else ""))
+    wide = max([12] + [len(r["backend"]) for r in rows])
+    print(f"{'backend':<{wide}} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}" + (f" {'% peak':>6}" if peak else ""))
     for r in rows:
         ts = f"{r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f}"
         ms = f"{r['ms_mean']:.1f} ± {r['ms_sd']:.1f}" if "ms_mean" in r else (f"{r['tpot_ms']:.2f} tpot" if "tpot_ms" in r else "")
         gb = f"{r['gb_s']:.1f}" if r["gb_s"] is not None else ""
         pct = f" {r['pct_of_peak']:>5.1f}%" if "pct_of_peak" in r else ""
-        print(f"{r['backend']:<12} {r['test']:<8} {ts:>16} {ms:>16} {gb:>7}{pct}")
+        print(f"{r['backend']:<{wide}} {r['test']:<8} {ts:>16} {ms:>16} {gb:>7}{pct}")
     for test in dict.fromkeys(r["test"] for r in rows):
         by = {r["backend"]: r for r in rows if r["test"] == test}
         for name, base in ratio_pairs(names):
