@@ -66,13 +66,14 @@ def test_rope_scaling_matches_native(tiny_model, rope):
     close(torch_be.logits_all(IDS), native.logits_all(IDS))
 
 
-def test_prefix_reuse_verify_rollback_and_batch(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_prefix_reuse_verify_rollback_and_batch(tiny_model, arch):
     """The Backend protocol on the torch engine: a reused prefix gives the logits a cold run gives;
     a verified draft gives each row's one-token logits, and rolling it back leaves the cache as
     before; a batch step gives each sequence what it gets alone. Each within the tolerance above:
     a pass of more than GEMV_MAX_ROWS rows multiplies dequantized weights, a smaller one runs the
     GEMV, and prefill and decode attention sum in different orders."""
-    torch_be, _ = engines(tiny_model, "qwen2", "Q8_0")
+    torch_be, _ = engines(tiny_model, arch, "Q8_0")
     cold = torch_be.extend(IDS)
     torch_be.rollback(0)                                               # its full blocks stay registered
     assert torch_be.reuse_prefix(IDS) == 32                           # two whole blocks of 16 tokens
