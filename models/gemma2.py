@@ -25,15 +25,22 @@ DEFAULT_WINDOW = 4096
 DEFAULT_ATTN_SOFTCAP, DEFAULT_FINAL_SOFTCAP = 50.0, 30.0      # llama_hparams' defaults
 
 
+def gemma_family(c: dict, n_layer_27b: int) -> dict:
+    """What Gemma 2 and Gemma 3 share: neox rope, post-norms, GeGLU, embeddings times sqrt(n_embd),
+    and Q times 1/sqrt(key_length) before attention, 1/sqrt(n_embd / n_head) for the 27B (the
+    model with n_layer_27b layers)."""
+    pre_attn = c["n_embd"] // c["n_head"] if c["n_layer"] == n_layer_27b else c["head_dim"]
+    return dict(rope_neox=True, post_norms=True, activation="geglu_tanh", embed_scale=float(sqrtf(c["n_embd"])),
+                attn_scale=float(inv_sqrtf(pre_attn)), scale_q=True)
+
+
 @dataclass(frozen=True)
 class Gemma2Config(DecoderConfig):
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Gemma2Config":
         c = cls.common_from_gguf(g)
-        pre_attn = c["n_embd"] // c["n_head"] if c["n_layer"] == 46 else c["head_dim"]
         pattern = g.arch_get("attention.sliding_window_pattern")
-        return cls(**c, rope_neox=True, post_norms=True, activation="geglu_tanh",
-                   embed_scale=float(sqrtf(c["n_embd"])), attn_scale=float(inv_sqrtf(pre_attn)), scale_q=True,
+        return cls(**c, **gemma_family(c, 46),
                    sliding_window=int(g.arch_get("attention.sliding_window") or DEFAULT_WINDOW),
                    swa_pattern=int(pattern) if isinstance(pattern, int) and pattern > 0 else SWA_PATTERN,
                    rope_base_local=float(g.arch_get("rope.freq_base_swa") or c["rope_base"]),

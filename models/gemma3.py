@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.cpu.libm import inv_sqrtf, sqrtf
+from models.gemma2 import gemma_family
 from models.gguf_file import GGUFFile
 from models.transformer import DecoderConfig
 
@@ -29,9 +29,7 @@ class Gemma3Config(DecoderConfig):
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Gemma3Config":
         c = cls.common_from_gguf(g)
-        pre_attn = c["n_embd"] // c["n_head"] if c["n_layer"] == 62 else c["head_dim"]
-        return cls(**c, rope_neox=True, qk_norm=True, post_norms=True, activation="geglu_tanh",
-                   embed_scale=float(sqrtf(c["n_embd"])), attn_scale=float(inv_sqrtf(pre_attn)), scale_q=True,
+        return cls(**c, **gemma_family(c, 62), qk_norm=True,
                    sliding_window=int(g.arch_get("attention.sliding_window") or 0),
                    swa_pattern=SWA_PATTERN,
                    rope_base_local=float(g.arch_get("rope.freq_base_swa") or ROPE_BASE_LOCAL))
