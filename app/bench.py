@@ -355,13 +355,12 @@ def cmd_bench_modes(args, engines) -> int:
 
 def cmd_bench(args) -> int:
     from app.cli import load_engine
-    default = ["native", PEER] + (["torch"] if args.device == "cuda" or cuda_available() else [])
+    modes = bool(args.batch or args.multiturn or args.speculative)     # the peer times pp/tg/TTFT only
+    default = ["native", "llama.cpp" if modes else PEER] + (["torch"] if args.device == "cuda" or cuda_available() else [])
     names = [b.strip() for b in (args.backend or ",".join(default)).split(",") if b.strip()]
     for name in names:
         if name not in BACKEND_NAMES + (PEER,) or name == "auto":
             raise BadInputError(f"unknown backend '{name}' (choose from {', '.join(BACKEND_NAMES[1:] + (PEER,))})")
-    if PEER in names and (args.batch or args.multiturn or args.speculative):
-        raise BadInputError(f"{PEER} takes part in the pp/tg/TTFT bench only")
     if args.n_prompt < 1 or args.n_gen < 1 or args.repetitions < 1:
         raise BadInputError("-p, -n and -r must be at least 1")
     if args.depth < 0:
@@ -370,6 +369,8 @@ def cmd_bench(args) -> int:
         raise BadInputError("--batch must be >= 0 and --parallel >= 1")
     if args.processes and not args.batch:
         raise BadInputError("--processes goes with --batch N")
+    if PEER in names and modes:
+        raise BadInputError(f"{PEER} takes part in the pp/tg/TTFT bench only")
     model = args.model or registry.DEFAULT_MODEL
     args.ctx = args.ctx or max(args.n_prompt, args.depth + args.n_gen + 1,
                                2048 if (args.multiturn or args.speculative) else 0) + 64
