@@ -21,7 +21,6 @@ Two softmaxes:
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numba
@@ -33,7 +32,7 @@ from kernels.cpu.attention_online import (decode_partial, decode_partial_serial,
 from kernels.cpu import ops
 from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
                                         scale_max8, widen8, widen_transpose8)
-from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin
+from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin, soft_cap
 from kernels.cpu.quant import round_f16
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -117,9 +116,7 @@ def _softmax_row(S, i0, n, key0, lo, hi, scale, softcap):
     a8 = min((a + 7) // 8 * 8, b)                   # [a8, b8): whole 8-lane steps
     b8 = max(a8, b // 8 * 8)
     if softcap > 0:
-        inv_cap = np.float32(1.0) / softcap
-        for jj in range(a, b):
-            S[i0 + jj] = softcap * math.tanh(S[i0 + jj] * inv_cap)
+        soft_cap(S, i0 + a, i0 + b, softcap)
     m = np.float32(-np.inf)
     for jj in range(a, a8):
         S[i0 + jj] *= scale

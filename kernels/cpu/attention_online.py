@@ -10,13 +10,11 @@ visibility rule are attention.py's.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from kernels.cpu.attention_tiles import dec_qk16, decode_pv, prefetch_rows, tile_pv, tile_scores, widen_rows16
-from kernels.cpu.ops import f16_value, serial_twin, vexp
+from kernels.cpu.ops import f16_value, serial_twin, soft_cap, vexp
 
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf marks masked scores
 
@@ -47,13 +45,12 @@ def _rescale(acct, alpha):
 
 
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
-def _soft_cap(st, n, R, cap):
-    """gemma2's soft-capping of scores st[:n, :R] in place. The scores here already carry the
-    attention scale (the queries are scaled), so cap is scale * softcap: scale * softcap *
+def _soft_cap(st, n, cap):
+    """gemma2's soft-capping of scores st[:n] (rows of lanes) in place. The scores here already
+    carry the attention scale (the queries are scaled), so cap is scale * softcap: scale * softcap *
     tanh(s / softcap) of the unscaled score s, which is what the softmax then sees."""
     for jj in range(n):
-        for i in range(R):
-            st[jj, i] = cap * math.tanh(st[jj, i] / cap)
+        soft_cap(st[jj], 0, st.shape[1], cap)
 
 
 @njit(fastmath=FAST, cache=True, error_model="numpy", inline="always")
@@ -90,7 +87,7 @@ def _attend_tile_online(qt, kf, vf, kstride, block_table, bs, kvh, pos, lo_pos, 
                     vbuf[jj * hd + e] = f16_value(vf[base + jj * kstride + e])
         tile_scores(qt, kbuf, 0, hd, st, n)
         if cap > 0:
-            _soft_cap(st, n, R, cap)
+            _soft_cap(st, n, cap)
         # new running max (alpha holds it for now)
         for i in range(R):
             alpha[i] = m[i]
@@ -235,7 +232,7 @@ def decode_partial_v(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, sof
                 prefetch_rows(vf, base1, kstride, n1, hd)
             dec_qk16(qg, kf, base, kstride, n, s)
             if softcap > 0:
-                _soft_cap(s.T, n, G, scale * softcap)
+                _soft_cap(s.T, n, scale * softcap)
             for g in range(G):
                 sg = s[g]
                 mx = m[g]
@@ -298,7 +295,7 @@ def decode_partial(q, k_cache, v_cache, block_table, lo, hi, chunk, scale, softc
                         dot += qr[e] * f16_value(kr[e])
                     s[g, jj] = dot
             if softcap > 0:
-                _soft_cap(s.T, n, G, scale * softcap)
+                _soft_cap(s.T, n, scale * softcap)
             for g in range(G):
                 sg = s[g]
                 mx = m[g]

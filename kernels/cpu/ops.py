@@ -285,14 +285,21 @@ def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Se
     return cs
 
 
-@njit(cache=True, error_model="numpy")   # no fastmath: three float32 roundings, as ggml's ops
-def soft_cap_rows(x, cap):
-    """x (R, N) in place: cap * tanhf(x * (1/cap)), llama.cpp's soft-capping (ggml_scale, ggml_tanh,
-    ggml_scale; numba's float32 math.tanh is libm's tanhf, numpy's np.tanh is not)."""
+@njit(cache=True, error_model="numpy", inline="always")
+def soft_cap(x, lo, hi, cap):
+    """x[lo:hi] in place: cap * tanhf(x * (1/cap)), llama.cpp's soft-capping (ggml_scale, ggml_tanh,
+    ggml_scale: three float32 roundings; numba's float32 math.tanh is libm's tanhf, numpy's np.tanh
+    is not). Called from a fastmath kernel it takes that kernel's flags."""
     inv = np.float32(1.0) / cap
+    for i in range(lo, hi):
+        x[i] = cap * math.tanh(x[i] * inv)
+
+
+@njit(cache=True, error_model="numpy")   # no fastmath: ggml's roundings
+def soft_cap_rows(x, cap):
+    """x (R, N) in place: each row soft_cap'ed (gemma2's logits)."""
     for r in range(x.shape[0]):
-        for j in range(x.shape[1]):
-            x[r, j] = cap * math.tanh(x[r, j] * inv)
+        soft_cap(x[r], 0, x.shape[1], cap)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None,
