@@ -27,13 +27,14 @@ from models.gguf_file import open_model
 PEER = "llama.cpp-peer"     # llama.cpp with every SIMD extension of this CPU, in its own process (app.peer)
 
 
-def weight_bytes_per_token(gguf) -> int:
+def weight_bytes_per_token(gguf, tensor_bytes=lambda t: t.n_bytes) -> int:
     """Bytes of weights a decode step reads: every tensor once, except the embedding table, of which
-    only one row is read, unless it doubles as the output matrix (tied embeddings)."""
-    total = sum(t.n_bytes for t in gguf.tensors.values())
+    only one row is read, unless it doubles as the output matrix (tied embeddings). tensor_bytes:
+    a tensor's size as the engine keeps it (default: as in the file)."""
+    total = sum(tensor_bytes(t) for t in gguf.tensors.values())
     embd = gguf.tensors.get("token_embd.weight")
     if embd is not None and "output.weight" in gguf.tensors:
-        total -= embd.n_bytes
+        total -= tensor_bytes(embd)
     return total
 
 
@@ -41,11 +42,7 @@ def torch_weight_bytes_per_token(gguf) -> int:
     """weight_bytes_per_token as the torch engine keeps the weights on CUDA (quantized where its
     kernels read the type, else float16: core.torch_backend.cuda_tensor_bytes)."""
     from core.torch_backend import cuda_tensor_bytes
-    total = sum(cuda_tensor_bytes(t) for t in gguf.tensors.values())
-    embd = gguf.tensors.get("token_embd.weight")
-    if embd is not None and "output.weight" in gguf.tensors:
-        total -= cuda_tensor_bytes(embd)
-    return total
+    return weight_bytes_per_token(gguf, cuda_tensor_bytes)
 
 
 def peak_bandwidth_gb_s(memory_clock_khz: float, bus_width_bits: int) -> float:
@@ -73,13 +70,11 @@ def card_bandwidth_gb_s(device_index: int = 0) -> tuple[str, float] | None:
 def cpu_name() -> str:
     """The CPU's model name, family and model (/proc/cpuinfo), or the platform's processor string."""
     import platform
-    import re
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
+
+    from app.peer import cpuinfo
+    if cpuinfo("model name") is None:
         return platform.processor() or "unknown CPU"
-    get = lambda key: (m.group(1).strip() if (m := re.search(rf"^{key}\s*:(.*)$", info, re.M)) else "?")  # noqa: E731
-    return f"{get('model name')} (family {get('cpu family')}, model {get('model')})"
+    return f"{cpuinfo('model name')} (family {cpuinfo('cpu family')}, model {cpuinfo('model')})"
 
 
 def machine_bandwidth_gb_s() -> float:

@@ -31,13 +31,18 @@ SIMD_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c
                 "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo(key: str) -> str | None:
+    """The first processor's `key` line of /proc/cpuinfo ("model name", "flags", …), or None."""
     try:
         info = open("/proc/cpuinfo").read()
     except OSError:
-        return set()
-    m = re.search(r"^flags\s*:(.*)$", info, re.M)
-    return set(m.group(1).split()) if m else set()
+        return None
+    m = re.search(rf"^{re.escape(key)}\s*:(.*)$", info, re.M)
+    return m.group(1).strip() if m else None
+
+
+def cpu_flags() -> set[str]:
+    return set((cpuinfo("flags") or "").split())
 
 
 def cmake_args(flags: set[str]) -> str:
