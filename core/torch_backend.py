@@ -96,7 +96,7 @@ class TorchBackend(PagedBackend):
         super().__init__(tokenizer, n_ctx)
         import torch
 
-        from models.torch_decoder import TorchDecoder
+        from models.torch_decoder import GRAPH_BATCHES, TorchDecoder
         self.capabilities = Capabilities("torch", device=device, kv_map=True, speculative=True, batch=True)
         self.torch_device = torch.device(device)
         cfg = load_config(gguf)
@@ -106,8 +106,10 @@ class TorchBackend(PagedBackend):
         self.block_size = block_size
         self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()
-        # KVCHAT_CUDA_GRAPHS=0 runs every decode step eagerly (to tell a graph problem from another)
-        self.use_graphs = os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0"
+        # decode steps of up to this many sequences replay CUDA graphs (0: none; on the CPU, or with
+        # KVCHAT_CUDA_GRAPHS=0, to tell a graph problem from another)
+        graphs_on = device == "cuda" and os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0"
+        self.graph_batch_max = GRAPH_BATCHES[-1] if graphs_on else 0
         self._graphs = None
 
     def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
@@ -142,8 +144,6 @@ class TorchBackend(PagedBackend):
         """runs: (sequence, ids); the slots are appended, the forward pass runs, the tokens are
         committed. The float32 logits stay on the device."""
         import torch
-
-        from models.torch_decoder import GRAPH_BATCHES       # (imported by __init__ already)
         segments, tokens = [], []
         for seq, ids in runs:
             start = seq.n_tokens
@@ -151,8 +151,7 @@ class TorchBackend(PagedBackend):
             segments.append((seq, start, len(ids)))
             tokens.extend(ids)
         with torch.inference_mode():
-            if self.capabilities.device == "cuda" and self.use_graphs and len(runs) <= GRAPH_BATCHES[-1] \
-                    and all(n == 1 for _, _, n in segments):
+            if len(runs) <= self.graph_batch_max and all(n == 1 for _, _, n in segments):
                 logits = self._decode_graphs()(tokens, segments)
             else:
                 logits = self.model.forward(tokens, segments, all_rows)

@@ -209,7 +209,7 @@ from core.torch_backend import TorchBackend
 from models.gguf_file import open_model
 g = open_model(sys.argv[1]); tok = Tokenizer.from_gguf(g)
 eager, graphed = TorchBackend(g, tok, 128, "cuda"), TorchBackend(g, tok, 128, "cuda")
-eager.use_graphs = False
+eager.graph_batch_max = 0
 outs = []
 for be in (eager, graphed):
     be.reserve_sequences(3)
