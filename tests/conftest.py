@@ -14,8 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Tests never touch the user's chat history; compiled kernels and models are shared caches.
 os.environ["KVCHAT_DATA_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-data-")
 from core.paths import use_numba_cache  # noqa: E402
+from core.engine import cuda_available  # noqa: E402
 
 use_numba_cache()
+# Without a GPU, Triton runs in its interpreter for the whole test process (as the torch engine sets
+# it for --device cpu), before any test imports triton: else whichever test imports it first (through
+# transformers, say) decides, and the torch engine's CPU tests depend on the order tests run in.
+if not cuda_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 MODEL_FIXTURES = {"qwen_path", "gemma_path", "qwen15_path"}
