@@ -89,7 +89,8 @@ class Timings:
     predicted_n: int = 0
     predicted_ms: float = 0.0
     ttft_ms: float = 0.0
-    cache_n: int = 0
+    cache_n: int = 0               # prompt tokens not computed: reused from memory or restored from disk
+    cache_disk_n: int = 0          # of those, the tokens restored from the disk KV cache (core.kv_disk)
 
     @property
     def prompt_per_second(self) -> float:
@@ -104,7 +105,7 @@ class Timings:
 
     def summary(self) -> str:
         return (f"ttft {self.ttft_ms:.0f} ms | prompt {self.prompt_n} tok, {self.prompt_per_second:.1f} tok/s"
-                f" (cached {self.cache_n}) | eval {self.predicted_n} tok, {self.predicted_per_second:.1f} tok/s")
+                f" (cached {self.cache_n}{f', {self.cache_disk_n} from disk' if self.cache_disk_n else ''}) | eval {self.predicted_n} tok, {self.predicted_per_second:.1f} tok/s")
 
 
 SPECULATIVE_METHODS = ("off", "lookup", "draft")
@@ -143,6 +144,7 @@ class LiveStats:
     prefill_done: int = 0
     prefill_total: int = 0
     cache_n: int = 0
+    cache_disk_n: int = 0          # of cache_n, restored from the disk KV cache
     n_past: int = 0                # tokens in the KV cache for the current sequence
     n_ctx: int = 0
     token_latencies_ms: list[float] = field(default_factory=list)
