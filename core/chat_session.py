@@ -21,14 +21,20 @@ from models.errors import BadInputError
 CHECKPOINT_S = 0.5        # a streaming reply is saved this often
 
 
+def prompt_budget(n_ctx: int, reserve: int) -> int:
+    """The prompt tokens a context of n_ctx holds with `reserve` tokens left to generate (at most a
+    quarter of the context is kept for them): a prompt must be shorter than this."""
+    return n_ctx - max(0, min(reserve, n_ctx // 4))
+
+
 def fit_prompt(engine, messages: Sequence[dict], chat: bool = True, reserve: int = 0) -> tuple[list[int], bool]:
     """Token ids for a conversation that fit the engine's context with `reserve` tokens left to
-    generate (at most a quarter of the context is kept for it). When it does not fit, the oldest
-    whole turns go first (a user message and the replies after it); system messages and the last
-    message always stay. Returns (ids, truncated). A last message that alone does not fit is an
-    error. `engine` is an Engine or an EngineProcess (prompt_ids, n_ctx)."""
+    generate (prompt_budget). When it does not fit, the oldest whole turns go first (a user message
+    and the replies after it); system messages and the last message always stay. Returns (ids,
+    truncated). A last message that alone does not fit is an error. `engine` is an Engine or an
+    EngineProcess (prompt_ids, n_ctx)."""
     msgs = [dict(m) for m in messages]
-    budget = engine.n_ctx - max(0, min(reserve, engine.n_ctx // 4))
+    budget = prompt_budget(engine.n_ctx, reserve)
     ids = engine.prompt_ids(msgs, chat=chat)
     truncated = False
     while len(ids) >= budget:
@@ -89,15 +95,16 @@ class ChatSession:
         return self.history.messages(self.conversation_id) if self.conversation_id is not None else []
 
     # --- intents ---------------------------------------------------------------------------
-    def send(self, text: str, model_name: str) -> tuple[int, int | None]:
+    def send(self, text: str, model_name: str, title: str = "") -> tuple[int, int | None]:
         """Add the user's message (replacing the one being edited and all after it). Returns (its id,
-        the id from which messages were dropped, or None)."""
+        the id from which messages were dropped, or None). A new chat is named by `title`, else by
+        the text's start (a message that opens with attached files passes its question)."""
         dropped = None
         if self.editing_message_id is not None:
             self.history.delete_messages_from(self.conversation_id, self.editing_message_id)
             dropped, self.editing_message_id = self.editing_message_id, None
         if self.conversation_id is None:
-            title = " ".join(text.split())[:48] or "New chat"
+            title = " ".join((title or text).split())[:48] or "New chat"
             self.conversation_id = self.history.create_conversation(
                 title, self.new_chat_system_prompt, model_name, self.params.settings())
             self.new_chat_system_prompt = ""

@@ -198,6 +198,11 @@ class Engine:
                 parts.append(m["content"])
         return tok.encode("".join(parts), add_bos=tok.add_bos, special=False)
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens a text is on its own (no BOS; special tokens' text as plain text): what
+        an attached file adds to a message."""
+        return len(self.tokenizer.encode(text))
+
     def draft_backend(self, draft_model: str) -> Backend:
         """The native backend of a draft model for speculative decoding, loaded on first use and
         kept. Its vocabulary must be the target's token for token (drafts are token ids)."""

@@ -6,13 +6,13 @@ milliseconds of Python, and the engine waits for all of it (README: measured). I
 the engine never waits for the UI.
 
 `EngineProcess` has the part of Engine's surface the TUI uses: model_name, backend_name, n_ctx,
-has_chat_template, device, notes, prompt_ids, generate, close, and a `backend` view with the backend's
-capabilities, stats, timings, finish_reason, kv_block_map() and set_decode_threads().
+has_chat_template, device, notes, prompt_ids, count_tokens, generate, close, and a `backend` view with
+the backend's capabilities, stats, timings, finish_reason, kv_block_map() and set_decode_threads().
 
 Protocol (pickled messages over a socket pair; the Engine's arguments first, then one request at a
 time under a lock):
-  parent -> child   ("prompt_ids", messages, chat) | ("set_decode_threads", n) | ("generate", ids, params, spec)
-                    | ("cancel",) (during a generation) | ("close",)
+  parent -> child   ("prompt_ids", messages, chat) | ("count_tokens", text) | ("set_decode_threads", n)
+                    | ("generate", ids, params, spec) | ("cancel",) (during a generation) | ("close",)
   child -> parent   ("progress", stage, done, total)   while loading (and loading a draft model)
                     ("ready", info) | ("failed", bad_input, message)        once, after loading
                     ("ok", value) | ("error", bad_input, message)           a request's answer
@@ -118,6 +118,8 @@ def main() -> None:
             try:
                 if kind == "prompt_ids":
                     send(("ok", engine.prompt_ids(request[1], chat=request[2])))
+                elif kind == "count_tokens":
+                    send(("ok", engine.count_tokens(request[1])))
                 elif kind == "set_decode_threads":
                     backend.set_decode_threads(request[1])
                     send(("ok", None))
@@ -277,6 +279,10 @@ class EngineProcess:
         if not isinstance(messages, str):
             messages = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
         return self._request(("prompt_ids", messages, chat))
+
+    def count_tokens(self, text: str) -> int:
+        """Engine.count_tokens in the child. Like every request it waits for a generation to end."""
+        return self._request(("count_tokens", text))
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  cancel: threading.Event | None = None,
