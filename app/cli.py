@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--no-chat", action="store_true", help="send the raw prompt, without the chat template")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    run.add_argument("-f", "--file", action="append", default=[], dest="files", metavar="FILE",
+                     help="attach a UTF-8 text file: its text goes into the message, under a header with its "
+                          "name, before the prompt (repeatable)")
     _add_speculative_args(run)
 
     tok = sub.add_parser("tokenize", help="print the token ids and pieces of a text")
@@ -191,6 +194,7 @@ def load_engine(args, model: str | None = None):
 
 
 def cmd_run(args) -> int:
+    from core.attachments import check_message_fits, compose_message, read_attachment
     from core.chat_session import fit_prompt
     from core.types import SpeculativeConfig
     params = sampling_from_args(args)
@@ -198,6 +202,8 @@ def cmd_run(args) -> int:
     prompt = read_text_arg(args.prompt, "prompt")
     if not prompt.strip():
         raise BadInputError("the prompt is empty")
+    attachments = [read_attachment(path) for path in getattr(args, "files", [])]   # (before the model loads)
+    prompt = compose_message(prompt, attachments)
     engine = load_engine(args)
     chat = not args.no_chat
     if chat and not engine.has_chat_template:
@@ -206,6 +212,7 @@ def cmd_run(args) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
     if not chat and args.system:
         messages = [{"role": "user", "content": args.system + "\n\n" + prompt}]
+    check_message_fits(engine, messages, attachments, chat=chat)
     ids, truncated = fit_prompt(engine, messages, chat=chat)
     cancel = threading.Event()
     pieces, tokens = [], []
