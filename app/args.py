@@ -109,3 +109,30 @@ def sampling_from_text(texts: dict[str, str], base: SamplingParams) -> SamplingP
             kind = "n integer" if f.metadata["kind"] is int else " number"
             raise BadInputError(f"{human(f)}: '{raw}' is not a{kind}") from None
     return dataclasses.replace(base, **changes).validate()
+
+
+def add_kv_disk_args(p: argparse.ArgumentParser) -> None:
+    """The disk KV cache's flags (run, chat, batch); their defaults are the settings (`kvchat cache`)."""
+    p.add_argument("--kv-disk", choices=("on", "off"), default=None,
+                   help="keep full KV blocks on disk so a repeated prompt prefix or a reopened chat is not "
+                        "computed again (default: on; `kvchat cache off` changes the default)")
+    p.add_argument("--kv-disk-max", default=None, metavar="SIZE",
+                   help="size cap of the disk KV cache, e.g. 4G or 500M; least recently used blocks go first "
+                        "(default: 4G; `kvchat cache max SIZE` changes the default)")
+
+
+def kv_disk_from_args(args: argparse.Namespace) -> dict:
+    """Engine's kv_disk and kv_disk_max from the flags. A command without them (bench, which times
+    computation) runs with the disk cache off."""
+    if not hasattr(args, "kv_disk"):
+        return {"kv_disk": False}
+    return {"kv_disk": None if args.kv_disk is None else args.kv_disk == "on",
+            "kv_disk_max": None if args.kv_disk_max is None else size_arg(args.kv_disk_max, "--kv-disk-max")}
+
+
+def size_arg(text: str, what: str) -> int:
+    from core.kv_disk import parse_size
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise BadInputError(f"{what} wants a size such as 4G or 500M, got {text!r}") from None

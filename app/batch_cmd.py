@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from app.args import add_sampling_args, sampling_from_args, sampling_from_json
+from app.args import add_kv_disk_args, add_sampling_args, kv_disk_from_args, sampling_from_args, sampling_from_json
 from models.errors import BadInputError
 
 
@@ -40,6 +40,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
                    help=f"most sequences decoded together (default: {DEFAULT_PARALLEL})")
     p.add_argument("--no-chat", action="store_true", help="send raw prompts, without the chat template")
+    add_kv_disk_args(p)
     add_sampling_args(p)   # the same sampling flags as `run`; a line's own fields override them
     return p
 
@@ -142,7 +143,7 @@ def cmd_batch(args) -> int:
     skip = resume_output(out_path)
     with stderr_progress() as progress:
         engine = Engine(args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads, progress=progress,
-                        device=args.device if args.backend == "torch" else "cpu")
+                        device=args.device if args.backend == "torch" else "cpu", **kv_disk_from_args(args))
     chat = not args.no_chat and engine.has_chat_template
     if not args.no_chat and not engine.has_chat_template:
         sys.stderr.write(f"kvchat: note: {engine.model_name} has no chat template; using plain completion\n")

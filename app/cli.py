@@ -15,7 +15,8 @@ from core.paths import use_numba_cache
 use_numba_cache()  # before anything imports numba
 
 from models.errors import BadInputError  # noqa: E402
-from app.args import add_sampling_args, sampling_from_args, set_default_sampling_args  # noqa: E402
+from app.args import (add_kv_disk_args, add_sampling_args, kv_disk_from_args, sampling_from_args,  # noqa: E402
+                      set_default_sampling_args, size_arg)
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
 
@@ -40,6 +41,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "cpu: the CPU (--backend torch --device cpu runs the GPU engine in Triton's interpreter)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context length in tokens (default: {DEFAULT_CTX})")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    add_kv_disk_args(p)
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -125,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --batch: also each prompt through its own `kvchat run` process against one "
                             "`kvchat batch` process (wall time, model loads included)")
 
+    cache = sub.add_parser("cache", help="the disk KV cache: stats | clear | on | off | max SIZE")
+    csub = cache.add_subparsers(dest="cache_command", required=True, parser_class=OneLineParser)
+    csub.add_parser("stats", help="where it is, how many blocks, their size and the cap")
+    csub.add_parser("clear", help="delete every block")
+    csub.add_parser("on", help="keep KV blocks on disk by default (the initial setting)")
+    csub.add_parser("off", help="do not, unless a command says --kv-disk on")
+    cmax = csub.add_parser("max", help="the size cap, e.g. 4G (least recently used blocks are deleted past it)")
+    cmax.add_argument("size")
+
     from app.batch_cmd import add_batch_parser
     from app.export import add_export_parser
     add_batch_parser(sub)
@@ -160,6 +171,8 @@ def dispatch(args) -> int:
         return cmd_tokenize(args)
     if command == "models":
         return cmd_models(args)
+    if command == "cache":
+        return cmd_cache(args)
     if command == "bench":
         from app.bench import cmd_bench
         return cmd_bench(args)
@@ -190,7 +203,8 @@ def load_engine(args, model: str | None = None):
     from core.engine import Engine
     with stderr_progress() as progress:
         return Engine(model or args.model, backend=getattr(args, "backend", None), n_ctx=args.ctx,
-                      threads=args.threads, progress=progress, device=getattr(args, "device", "auto"))
+                      threads=args.threads, progress=progress, device=getattr(args, "device", "auto"),
+                      **kv_disk_from_args(args))
 
 
 def cmd_run(args) -> int:
@@ -315,6 +329,27 @@ def cmd_models(args) -> int:
                                         else "reads every quantized matrix in place"))
         return EXIT_OK
     raise BadInputError(f"unknown models command {sub}")
+
+
+def cmd_cache(args) -> int:
+    from core import kv_disk
+    sub = args.cache_command
+    if sub == "stats":
+        s = kv_disk.stats()
+        state = "on" if kv_disk.enabled_by_default() else "off"
+        print(f"disk KV cache   {state}, {s['dir']}")
+        print(f"blocks          {s['blocks']:,} ({s['bytes'] / 2**20:,.1f} MiB of {s['max_bytes'] / 2**20:,.0f} MiB)")
+    elif sub == "clear":
+        print(f"deleted {kv_disk.clear():,} blocks")
+    elif sub in ("on", "off"):
+        kv_disk.save_setting(kv_disk=sub == "on")
+        print(f"disk KV cache {sub}")
+    elif sub == "max":
+        size = size_arg(args.size, "cache max")
+        kv_disk.save_setting(kv_disk_max=size)
+        removed = kv_disk.evict(kv_disk.kv_dir(), size)
+        print(f"disk KV cache cap {size / 2**20:,.0f} MiB" + (f"; deleted {removed:,} blocks" if removed else ""))
+    return EXIT_OK
 
 
 def cmd_chat(args) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from core.types import LiveStats, SamplingParams, SpeculativeConfig, Timings, To
 
 if TYPE_CHECKING:
     from core.kv_cache import PagedKVCache, Sequence as KVSequence
+    from core.kv_disk import DiskKV
     from core.sampler import Sampler
 
 
@@ -28,6 +30,7 @@ class Capabilities:
     engine: str                    # "native", "llama.cpp", …
     device: str = "cpu"
     kv_map: bool = False           # kv_block_map() shows its paged cache block by block
+    kv_disk: bool = False          # attach_disk(): full KV blocks saved to and restored from disk
     speculative: bool = False      # verify() + rollback(): a draft checked in one forward pass
     batch: bool = False            # new_sequence() + forward_batch(): many sequences per forward pass
     decode_threads: bool = False   # set_decode_threads(): fewer threads while decoding (a core for a UI)
@@ -60,9 +63,11 @@ class Backend(Described, ABC):
 
     # --- the current sequence ----------------------------------------------------------------
     @abstractmethod
-    def reuse_prefix(self, ids: Sequence[int]) -> int:
+    def reuse_prefix(self, ids: Sequence[int], seq: "KVSequence | None" = None) -> int:
         """Keep the longest cached prefix of `ids` (at most len(ids)-1 tokens, so there is always one
-        token left to run) and drop the rest of the sequence. Returns the number of tokens kept."""
+        token left to run) and drop the rest of the sequence (seq: one of new_sequence()'s; default
+        the current one). Returns the number of tokens kept; stats.cache_disk_n says how many of
+        them came from the disk cache."""
 
     @abstractmethod
     def extend(self, ids: Sequence[int], vocab_limit: int | None = None) -> np.ndarray:
@@ -83,6 +88,22 @@ class Backend(Described, ABC):
     @abstractmethod
     def rollback(self, n_tokens: int) -> None:
         """Drop the sequence's tokens past the first n_tokens (rejected drafts, banned strings)."""
+
+    def attach_disk(self, model_path: Path | None, max_bytes: int | None = None,
+                    warn: Callable[[str], None] | None = None) -> None:
+        """Save full KV blocks to the disk cache (core.kv_disk) and restore them from it, for the
+        model file at model_path (capabilities.kv_disk); None: off."""
+        raise NotImplementedError(f"the {self.name} backend keeps no KV cache on disk")
+
+    def kv_arithmetic(self) -> str:
+        """What decides the bits of this backend's KV blocks (engine, instruction set or GPU, KV
+        dtype): blocks on disk are keyed by it (core.kv_disk)."""
+        return f"{self.name}/{self.device}/f16"
+
+    def persist(self, seq: "KVSequence | None" = None) -> int:
+        """Save the sequence's full KV blocks that the disk cache lacks (after a turn, a run, a
+        batch request). Returns how many were written."""
+        return 0
 
     def set_phase(self, phase: str) -> None:
         """Generation enters "prefill" or "decode" (a backend may retune its threads)."""
@@ -132,13 +153,35 @@ class PagedBackend(Backend):
     sequence, in __init__."""
     cache: "PagedKVCache"
     seq: "KVSequence"
+    disk: "DiskKV | None" = None
 
     @abstractmethod
     def new_cache(self, n_blocks: int | None = None) -> "PagedKVCache":
         """An empty cache of n_blocks blocks (None: one context's worth) in this engine's storage."""
 
-    def reuse_prefix(self, ids: Sequence[int]) -> int:
-        return self.seq.reuse_prefix(ids, len(ids) - 1)
+    def reuse_prefix(self, ids: Sequence[int], seq: "KVSequence | None" = None) -> int:
+        from core.kv_disk import restorer
+        seq = seq or self.seq
+        restore = restorer(self.disk, self.cache, ids) if self.disk is not None and self.disk.on else None
+        n = seq.reuse_prefix(ids, len(ids) - 1, restore)
+        self.stats.cache_disk_n = seq.n_restored
+        return n
+
+    def attach_disk(self, model_path: Path | None, max_bytes: int | None = None,
+                    warn: Callable[[str], None] | None = None) -> None:
+        from core.kv_disk import BlockFormat, DiskKV, file_sha256
+        if model_path is None:
+            self.disk = None
+            return
+        k = self.cache.k
+        shape = (len(k),) + tuple(k[0].shape[1:])               # (n_layer, block_size, Hkv, hd)
+        self.disk = DiskKV(BlockFormat(file_sha256(model_path), self.kv_arithmetic(), shape),
+                           max_bytes=max_bytes, warn=warn)
+
+    def persist(self, seq: "KVSequence | None" = None) -> int:
+        if self.disk is None or not self.disk.on:
+            return 0
+        return self.disk.persist(self.cache, seq or self.seq)
 
     def rollback(self, n_tokens: int) -> None:
         self.seq.truncate(n_tokens)

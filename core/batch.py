@@ -63,7 +63,8 @@ class _Active:
         self.req = req
         self.seq = seq
         self.state = Request(req.params, backend.tokenizer, backend.n_ctx)
-        self.cache_n = seq.reuse_prefix(req.prompt_ids, len(req.prompt_ids) - 1)
+        self.cache_n = backend.reuse_prefix(req.prompt_ids, seq)
+        self.state.timings.cache_disk_n = seq.n_restored
         self.todo = list(req.prompt_ids[self.cache_n:])
         self.prompt_n = len(self.todo)
         self.sampler = Sampler(req.params, backend.tokenizer.n_vocab)
@@ -176,6 +177,7 @@ class BatchScheduler:
                 finished.append(a)
         for a in finished:
             active.remove(a)
+            self.backend.persist(a.seq)
             a.seq.release()     # its full blocks stay registered: later prompts can reuse them
             self._free.append(a.seq)
             yield a.result()

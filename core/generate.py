@@ -49,8 +49,9 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
     stats.token_latencies_ms = []
     stats.spec_drafted = stats.spec_accepted = 0
 
-    cache_n = backend.reuse_prefix(prompt_ids)
+    cache_n = backend.reuse_prefix(prompt_ids)          # (sets stats.cache_disk_n)
     todo = prompt_ids[cache_n:]
+    req.timings.cache_disk_n = stats.cache_disk_n
     stats.phase, stats.cache_n, stats.prefill_done, stats.prefill_total = "prefill", cache_n, 0, len(todo)
     backend.set_phase("prefill")
     stats.n_past = cache_n
@@ -109,11 +110,13 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
                 break
     finally:
         source.close()
-    _finish(backend, req)
+        _finish(backend, req)
 
 
 def _finish(backend: "Backend", req: Request) -> None:
+    """The request has ended (or was abandoned): its full KV blocks go to the disk cache, if any."""
     backend.finish_reason = req.finish_reason
+    backend.persist()
     backend.stats.phase = "done"
 
 

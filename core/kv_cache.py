@@ -18,7 +18,7 @@ Ownership is explicit:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import numpy as np
 
@@ -128,6 +128,19 @@ class PagedKVCache:
             k[dst] = k[src]
             v[dst] = v[src]
 
+    def read_block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block b's K and V on the host: (n_layer, block_size, n_kv_heads, head_dim) float16 each."""
+        return _stack_on_host([k[b] for k in self.k]), _stack_on_host([v[b] for v in self.v])
+
+    def write_block(self, b: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Fill block b with read_block's K and V (into another engine's tensors on its device too)."""
+        if not isinstance(self.k[0], np.ndarray):
+            import torch
+            k, v = (torch.tensor(x, device=self.k[0].device) for x in (k, v))   # (copies: x may be read-only)
+        for layer in range(len(self.k)):
+            self.k[layer][b] = k[layer]
+            self.v[layer][b] = v[layer]
+
     def blocks_used(self) -> int:
         return int((self.pool.ref > 0).sum())
 
@@ -150,6 +163,13 @@ class PagedKVCache:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
 
+def _stack_on_host(blocks: list) -> np.ndarray:
+    if isinstance(blocks[0], np.ndarray):
+        return np.stack(blocks)
+    import torch
+    return torch.stack(blocks).cpu().numpy()
+
+
 class Sequence:
     """One sequence's block table and tokens. The model reads `k_cache`, `v_cache`, `block_table`."""
 
@@ -158,6 +178,7 @@ class Sequence:
         self.blocks: list[int] = []
         self.tokens: list[int] = []
         self.n_reused = 0                      # leading tokens taken from an earlier computation
+        self.n_restored = 0                    # of those, the tokens reuse_prefix's restore supplied
         self._hashes: list[int] = []           # chained hash of each full block, in order
         self._table: np.ndarray | None = None
 
@@ -245,9 +266,12 @@ class Sequence:
         self.truncate(0)
 
     # --- prefix reuse ------------------------------------------------------------------------
-    def reuse_prefix(self, ids: Seq[int], limit: int) -> int:
+    def reuse_prefix(self, ids: Seq[int], limit: int, restore: Callable[[int], int | None] | None = None) -> int:
         """Keep the longest prefix of `ids` (at most `limit` tokens) this sequence already holds,
-        extended by full blocks found in the prefix-hash map; drop the rest. Returns the tokens kept."""
+        extended by full blocks found in the prefix-hash map and then, where the map has none, by
+        `restore(i)`: a block of the pool holding full block i of ids, filled from elsewhere (the
+        disk cache, core.kv_disk), or None. Drops the rest. Returns the tokens kept; `n_restored`
+        says how many of them restore supplied."""
         n = 0
         cap = min(limit, len(self.tokens))
         while n < cap and self.tokens[n] == ids[n]:
@@ -257,18 +281,23 @@ class Sequence:
         # full blocks of ids past our own common prefix that some earlier computation left cached
         k = n // bs
         parent = self._hashes[k - 1] if k else 0
-        found: list[tuple[int, int]] = []
+        found: list[tuple[int, int]] = []          # (block, hash), each taken (ref'd) as it is found
+        restored = 0
         while (k + len(found) + 1) * bs <= limit:
             i = k + len(found)
             h = chain_hash(parent, ids[i * bs:(i + 1) * bs])
             b = pool.lookup(h)
-            if b is None:
+            if b is not None:
+                pool.incref(b)
+            elif restore is not None and (b := restore(i)) is not None:   # allocated: ref 1
+                pool.register(b, h)
+                restored += 1
+            else:
                 break
             found.append((b, h))
             parent = h
+        self.n_restored = 0
         if found and (k + len(found)) * bs > n:
-            for b, _ in found:
-                pool.incref(b)  # take them before truncate can let them go
             self.truncate(k * bs)
             for b, h in found:
                 self.blocks.append(b)
@@ -276,8 +305,10 @@ class Sequence:
             self._table = None
             self.tokens.extend(int(t) for t in ids[k * bs:(k + len(found)) * bs])
             n = len(self.tokens)
-            self.n_reused = n
+            self.n_restored = restored * bs
         else:
+            for b, _ in found:
+                pool.decref(b)                     # registered: they stay cached
             self.truncate(n)
-            self.n_reused = n
+        self.n_reused = n
         return n

@@ -34,7 +34,7 @@ class LlamaCppBackend(Backend):
         if self.llm.n_vocab() != tokenizer.n_vocab:
             raise BadInputError(f"llama.cpp sees {self.llm.n_vocab()} tokens, the GGUF vocabulary has {tokenizer.n_vocab}")
 
-    def reuse_prefix(self, ids: Sequence[int]) -> int:
+    def reuse_prefix(self, ids: Sequence[int], seq=None) -> int:   # (one sequence: seq is never given)
         llm = self.llm
         cached = llm.input_ids[:llm.n_tokens]
         limit = min(len(cached), len(ids) - 1)

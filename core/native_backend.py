@@ -52,7 +52,8 @@ def _stderr_progress(what: str, done: int, total: int) -> None:
 
 
 class NativeBackend(PagedBackend):
-    capabilities = Capabilities("native", kv_map=True, speculative=True, batch=True, decode_threads=True)
+    capabilities = Capabilities("native", kv_map=True, kv_disk=True, speculative=True, batch=True,
+                                decode_threads=True)
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
@@ -106,6 +107,10 @@ class NativeBackend(PagedBackend):
     def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
         cfg = self.model.cfg
         return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx, self.block_size, n_blocks)
+
+    def kv_arithmetic(self) -> str:
+        from kernels.cpu.isa import chosen
+        return f"native/{chosen()}/f16"
 
     def set_phase(self, phase: str) -> None:
         import numba

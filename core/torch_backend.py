@@ -86,7 +86,7 @@ def cuda_fits(gguf: GGUFFile, n_ctx: int) -> tuple[bool, str]:
 
 
 class TorchBackend(PagedBackend):
-    capabilities = Capabilities("torch", device="cpu", kv_map=True, speculative=True, batch=True)
+    capabilities = Capabilities("torch", device="cpu", kv_map=True, kv_disk=True, speculative=True, batch=True)
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, device: str = "cpu",
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
@@ -97,7 +97,8 @@ class TorchBackend(PagedBackend):
         import torch
 
         from models.torch_decoder import GRAPH_BATCHES, TorchDecoder
-        self.capabilities = Capabilities("torch", device=device, kv_map=True, speculative=True, batch=True)
+        self.capabilities = Capabilities("torch", device=device, kv_map=True, kv_disk=True, speculative=True,
+                                         batch=True)
         self.torch_device = torch.device(device)
         cfg = load_config(gguf)
         if cfg.n_vocab != tokenizer.n_vocab:
@@ -117,6 +118,11 @@ class TorchBackend(PagedBackend):
         cfg = self.model.cfg
         return PagedKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx, self.block_size, n_blocks,
                             storage=self.model.new_cache)
+
+    def kv_arithmetic(self) -> str:
+        import torch
+        where = torch.cuda.get_device_name(self.torch_device) if self.device == "cuda" else "cpu"
+        return f"torch/{where}/f16"
 
     def _drop_graphs(self) -> None:
         """Forget the decode graphs (they hold a cache's tensors) and give their memory back."""

@@ -13,6 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Tests never touch the user's chat history; compiled kernels and models are shared caches.
 os.environ["KVCHAT_DATA_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-data-")
+# Nor the user's disk KV cache, and no test reads blocks another test left there: the disk cache is
+# off unless a test turns it on (tests/engine/test_kv_disk.py, with a folder of its own).
+os.environ["KVCHAT_KV_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-kv-")
+os.environ["KVCHAT_KV_DISK"] = "off"
 from core.paths import use_numba_cache  # noqa: E402
 from core.engine import cuda_available  # noqa: E402
 

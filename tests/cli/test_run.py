@@ -22,7 +22,7 @@ def test_run_streams_a_greedy_answer_as_json(qwen_path):
     assert out.returncode == 0, out.stderr.decode()
     result = json.loads(out.stdout)
     assert set(result) >= {"text", "tokens", "finish_reason", "timings", "model", "backend", "device", "truncated"}
-    assert set(result["timings"]) == {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "ttft_ms", "cache_n"}
+    assert set(result["timings"]) == {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "ttft_ms", "cache_n", "cache_disk_n"}
     assert result["model"] == "qwen2.5-coder-0.5b-instruct" and result["backend"] == "llama.cpp"
     assert result["device"] == "cpu" and result["truncated"] is False
     assert result["finish_reason"] in ("stop", "length")
