@@ -15,3 +15,5 @@ pytestmark  # tests: pytest reads it
 _isolated_dirs, qwen15_path  # tests: pytest fixtures, requested by name
 _.cb_eval  # tests/engine/test_llamacpp_tensors.py: a llama.cpp context parameter (ctypes field)
 _.nthread  # tests/engine/conftest.py: a llama_model_quantize parameter (ctypes field)
+_.get_suggestion  # app/tui/screens/attach.py: Textual's Suggester calls it
+_.tooltip  # app/tui/widgets/attachments.py: Textual shows it on hover

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from app.tui.screens.attach import AttachScreen
 from app.tui.screens.dialogs import ConfirmScreen, PromptScreen
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.model import ModelScreen
@@ -50,6 +51,16 @@ class ChatActions:
             self.notify("System prompt saved" + ("" if self.engine is None or self.engine.has_chat_template
                                                  else " (this model has no chat template: it is prepended as text)"))
         self.push_screen(PromptScreen("System prompt for this chat", current, multiline=True), saved)
+
+    def action_attach(self) -> None:
+        if self.engine is None:
+            self.notify("Attach files once the model is loaded: it counts their tokens", severity="warning")
+            return
+
+        def chosen(path: str | None) -> None:
+            if path:
+                self.attach_file(self.engine, path, self.params.max_tokens)
+        self.push_screen(AttachScreen(), chosen)
 
     def action_settings(self) -> None:
         def saved(params: SamplingParams | None) -> None:

@@ -47,3 +47,14 @@ class ModelLoaded(Message):
 class ModelFailed(Message):
     spec: str
     error: str
+
+
+@dataclass
+class AttachmentReady(Message):
+    attachment: object     # core.attachments.Attachment
+    n_tokens: int
+
+
+@dataclass
+class AttachmentRefused(Message):
+    error: str

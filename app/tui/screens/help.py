@@ -13,6 +13,7 @@ HELP = """\
 |---|---|
 | **enter** | send the message |
 | **ctrl+j** (shift+enter, alt+enter where the terminal reports them) | newline in the message |
+| **ctrl+f** | attach a text file to the next message: a path prompt (tab completes); a chip shows its tokens; click the chip, or tab onto it and press delete, to remove it |
 | **esc** | stop the reply (kept, marked *stopped*); cancel an edit |
 | **ctrl+r** | regenerate the last reply |
 | **ctrl+e** | edit the last user message, then enter resends it |
