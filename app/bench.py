@@ -254,24 +254,27 @@ def bench_batch(engine, prompts: list[str], n_gen: int, parallel: int) -> tuple[
     return sum(map(len, outputs)) / (time.perf_counter() - t0), outputs, scheduler.steps
 
 
+def kvchat_process(cmd: list[str], env: dict | None = None) -> str:
+    """Run `kvchat CMD...` in a new process, as a user would; its stdout (RuntimeError if it fails)."""
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "app.cli", *cmd], capture_output=True, text=True, check=False,
+                          env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvchat {cmd[0]} failed: {proc.stderr.strip()[-300:]}")
+    return proc.stdout
+
+
 def bench_processes(model: str, prompts: list[str], n_gen: int, parallel: int, threads: int | None) -> dict:
     """The batch bar as a user meets it: each prompt through its own `kvchat run` process, one after
     another, against one `kvchat batch` process over all of them (greedy, native). Wall time from
     each process's start, model load included. Both must give the same tokens."""
-    import subprocess
     import tempfile
     from pathlib import Path
 
-    cli = [sys.executable, "-m", "app.cli"]
-    common = ["-m", model, "--backend", "native", "--max-tokens", str(n_gen), "--temperature", "0"]
+    common = ["-m", model, "--backend", "native", "--max-tokens", str(n_gen), "--temperature", "0", "--kv-disk", "off"]
     if threads:
         common += ["--threads", str(threads)]
-
-    def run(cmd: list[str]) -> str:
-        proc = subprocess.run(cli + cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kvchat {cmd[0]} failed: {proc.stderr.strip()[-300:]}")
-        return proc.stdout
+    run = kvchat_process
 
     t0 = time.perf_counter()
     solo = [json.loads(run(["run", p, "--json"] + common))["tokens"] for p in prompts]
@@ -350,6 +353,9 @@ def cmd_bench_modes(args, engines) -> int:
 
 def cmd_bench(args) -> int:
     from app.cli import load_engine
+    if args.resume:
+        from app.bench_resume import cmd_bench_resume
+        return cmd_bench_resume(args)
     modes = bool(args.batch or args.multiturn or args.speculative)     # the peer times pp/tg/TTFT only
     default = ["native", "llama.cpp" if modes else PEER] + (["torch"] if args.device == "cuda" or cuda_available() else [])
     names = [b.strip() for b in (args.backend or ",".join(default)).split(",") if b.strip()]

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, metavar="PNG", help="also write a bar chart")
     bench.add_argument("--multiturn", action="store_true",
                        help="TTFT of a 20-token message after 1500 tokens of history: reused vs alone vs recomputed")
+    bench.add_argument("--resume", action="store_true",
+                       help="TTFT from the disk KV cache, a new kvchat process each run: a 3,000-token document "
+                            "asked about twice, and a reopened 3,000-token chat against its new message alone")
     bench.add_argument("--speculative", action="store_true",
                        help="decode speed with prompt-lookup speculation (and --draft-model) vs plain, "
                             "on a code-rewrite prompt")

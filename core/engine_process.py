@@ -202,12 +202,14 @@ class EngineProcess:
     model or option, RuntimeError if the child dies."""
 
     def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
-                 threads: int | None = None, progress=None, backend_progress=None, device: str = "auto"):
+                 threads: int | None = None, progress=None, backend_progress=None, device: str = "auto",
+                 kv_disk: bool | None = None, kv_disk_max: int | None = None):
         from core.engine import DEFAULT_CTX
         from core.paths import cache_dir
         from models import registry
         kwargs = {"model": model or registry.DEFAULT_MODEL, "backend": backend,
-                  "n_ctx": n_ctx or DEFAULT_CTX, "threads": threads, "device": device}
+                  "n_ctx": n_ctx or DEFAULT_CTX, "threads": threads, "device": device,
+                  "kv_disk": kv_disk, "kv_disk_max": kv_disk_max}
         self.log_path = cache_dir() / LOG_NAME
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[1])

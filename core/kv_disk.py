@@ -16,7 +16,8 @@ One file per block, `<root>/<key[:2]>/<key>.kvb`:
     header   magic, version, model SHA-256, arithmetic (32 bytes), shape (n_layer, block_size,
              n_kv_heads, head_dim), the parent key, the block's token ids (block_size int32)
     payload  K then V: (n_layer, block_size, n_kv_heads, head_dim) float16 each
-    trailer  blake2b-128 of header and payload
+    trailer  CRC-32 of header and payload (it catches a flipped bit or a torn write; the header
+             fields are compared one by one)
 
 Writes go to a temporary file in the same folder and are renamed into place, so two processes
 writing the same block never leave a torn file (the rename is atomic; the loser's identical copy
@@ -35,6 +36,7 @@ import mmap
 import os
 import struct
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -53,7 +55,7 @@ SUFFIX = ".kvb"
 DEFAULT_MAX_BYTES = 4 << 30
 ENV_DIR, ENV_ON, ENV_MAX = "KVCHAT_KV_DIR", "KVCHAT_KV_DISK", "KVCHAT_KV_DISK_MAX"
 _HEADER = struct.Struct("<8sI32s32s4I32s")     # magic, version, model sha, arithmetic, shape, parent key
-_CHECK = 16                                    # bytes of the blake2b trailer
+_CHECK = 4                                     # bytes of the CRC-32 trailer
 
 
 def kv_dir() -> Path:
@@ -247,10 +249,9 @@ class DiskKV:
             return False
         if mm[_HEADER.size:_HEADER.size + 4 * fmt.block_size] != np.asarray(tokens, "<i4").tobytes():
             return False
-        check = hashlib.blake2b(digest_size=_CHECK)
         with memoryview(mm) as view, view[:-_CHECK] as body:
-            check.update(body)
-        return check.digest() == mm[-_CHECK:]
+            check = zlib.crc32(body)
+        return struct.pack("<I", check) == mm[-_CHECK:]
 
     def has(self, key: bytes) -> bool:
         return self.on and self.path(key).exists()
@@ -265,9 +266,9 @@ class DiskKV:
         header = _HEADER.pack(MAGIC, VERSION, fmt.model_sha256, fmt.arith_bytes, *fmt.shape, parent)
         parts = [header, np.asarray(tokens, "<i4").tobytes(),
                  np.ascontiguousarray(k, np.float16).tobytes(), np.ascontiguousarray(v, np.float16).tobytes()]
-        check = hashlib.blake2b(digest_size=_CHECK)
+        check = 0
         for p in parts:
-            check.update(p)
+            check = zlib.crc32(p, check)
         path = self.path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
@@ -275,7 +276,7 @@ class DiskKV:
             with open(tmp, "wb") as f:
                 for p in parts:
                     f.write(p)
-                f.write(check.digest())
+                f.write(struct.pack("<I", check))
             os.replace(tmp, path)
             return True
         except OSError as e:

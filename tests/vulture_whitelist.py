@@ -12,7 +12,7 @@ _.remove_extra_whitespaces, _.escape_whitespaces, _.score  # core/tokenizer.py: 
 LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config, Gemma2Config, Gemma3Config  # models/architectures.py: by name
 n_ctx_train, n_ff  # models/transformer.py: the model's trained context and FFN width, config fields
 pytestmark  # tests: pytest reads it
-_isolated_dirs, qwen15_path  # tests: pytest fixtures, requested by name
+_isolated_dirs, qwen15_path, kv_root  # tests: pytest fixtures, requested by name
 _.cb_eval  # tests/engine/test_llamacpp_tensors.py: a llama.cpp context parameter (ctypes field)
 _.nthread  # tests/engine/conftest.py: a llama_model_quantize parameter (ctypes field)
 _.get_suggestion  # app/tui/screens/attach.py: Textual's Suggester calls it

@@ -71,12 +71,14 @@ class KvChatApp(ChatActions, App):
     ]
 
     def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
-                 threads: int | None = None, engine=None, db_path=None, speculative=None, device: str = "auto"):
+                 threads: int | None = None, engine=None, db_path=None, speculative=None, device: str = "auto",
+                 kv_disk: dict | None = None):
         super().__init__()
         from core.engine import DEFAULT_CTX
         from models.registry import DEFAULT_MODEL
         self.model_spec = model or (engine.model_name if engine is not None else DEFAULT_MODEL)
         self.backend_pref, self.device_pref = backend, device
+        self.kv_disk = kv_disk                     # Engine's kv_disk and kv_disk_max (app.args.kv_disk_from_args)
         self.n_ctx = n_ctx or DEFAULT_CTX
         self.threads = threads
         self.speculative = speculative             # core.types.SpeculativeConfig or None
@@ -334,7 +336,8 @@ class KvChatApp(ChatActions, App):
     # --- models ----------------------------------------------------------------------------
     def load_model(self, spec: str) -> None:
         # the backend the user named, else auto again: the next file may run where this one did not
-        self.query_one(ModelLoading).load(spec, self.backend_pref, self.n_ctx, self.threads, self.device_pref)
+        self.query_one(ModelLoading).load(spec, self.backend_pref, self.n_ctx, self.threads, self.device_pref,
+                                          self.kv_disk)
 
     @on(ModelProgress)
     def on_model_progress(self, event: ModelProgress) -> None:
@@ -388,9 +391,10 @@ class KvChatApp(ChatActions, App):
 
 def run_tui(args) -> int:
     """`kvchat chat`: the App opens at once; the model loads in the background with a progress bar."""
+    from app.args import kv_disk_from_args
     from core.types import SpeculativeConfig
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
     app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,
-                    speculative=speculative, device=args.device)
+                    speculative=speculative, device=args.device, kv_disk=kv_disk_from_args(args))
     app.run()
     return 0

@@ -377,3 +377,41 @@ async def test_five_turns_reuse_the_history_and_the_status_bar_shows_it(tmp_path
         assert max(tails) < 12 and stored[-1]["cache_n"] > 4 * max(tails), stored
     finally:
         native.close()
+
+
+async def test_a_reopened_chat_restores_its_kv_blocks_from_disk(tmp_path, monkeypatch):
+    """`kvchat chat --kv-disk on`: a turn, then quit; a new app (a new engine process) reopens the
+    chat, and the next message's prompt comes from the disk KV cache, as the status bar, the X-ray and
+    the stored timings say."""
+    import re
+
+    monkeypatch.setenv("KVCHAT_KV_DIR", str(tmp_path / "kv"))
+    db = tmp_path / "h.db"
+    params = SamplingParams(temperature=0.0, max_tokens=8, seed=1)
+    first_message = " ".join(f"Owl {i} lives in the forest by the river and hunts at night." for i in range(8))
+
+    async def turn(app, pilot, text: str) -> None:
+        await wait_until(pilot, lambda: app.engine is not None, 120, "the model to load")
+        app.params = params
+        await type_and_send(pilot, text)
+        await wait_until(pilot, lambda: app.reply_widget is not None, 60, "the reply to start")
+        await wait_until(pilot, lambda: not app.generating, 120, "the reply to finish")
+        await pilot.pause()
+
+    app = KvChatApp(model="gemma-3-270m", backend="native", n_ctx=512, db_path=db, kv_disk={"kv_disk": True})
+    async with app.run_test(size=(120, 24)) as pilot:
+        await turn(app, pilot, first_message)
+        conversation_id = app.conversation_id
+    again = KvChatApp(model="gemma-3-270m", backend="native", n_ctx=512, db_path=db, kv_disk={"kv_disk": True})
+    async with again.run_test(size=(120, 24)) as pilot:
+        await turn(again, pilot, "Which owl hunts by the river?")
+        assert again.conversation_id == conversation_id
+        status = str(again.query_one("#status").render())
+        from_disk = int(re.search(r"from disk (\d+)", status).group(1))
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert f"({from_disk} from disk)" in str(again.query_one("#xray-prefix").render())
+    stored = [m.timings for m in History(db).messages(conversation_id) if m.role == "assistant"]
+    assert stored[0]["cache_disk_n"] == 0
+    assert stored[1]["cache_disk_n"] == from_disk and from_disk >= 96          # the first turn's full blocks
+    assert stored[1]["prompt_n"] < 32

@@ -26,7 +26,8 @@ class ModelLoading(Horizontal):
         self.query_one("#model-progress", ProgressBar).update(total=event.total or None, progress=event.done)
 
     @work(thread=True, exclusive=True, group="model")
-    def load(self, spec: str, backend: str | None, n_ctx: int, threads: int | None, device: str = "auto") -> None:
+    def load(self, spec: str, backend: str | None, n_ctx: int, threads: int | None, device: str = "auto",
+             kv_disk: dict | None = None) -> None:
         """Posts ModelProgress while loading, then ModelLoaded or ModelFailed (they bubble to the app)."""
         from core.engine_process import EngineProcess
         last = [0.0]
@@ -40,7 +41,7 @@ class ModelLoading(Horizontal):
         self.post_message(ModelProgress(f"loading {spec}", 0, 0))
         try:
             engine = EngineProcess(spec, backend=backend, n_ctx=n_ctx, threads=threads, progress=progress,
-                                   backend_progress=progress, device=device)
+                                   backend_progress=progress, device=device, **(kv_disk or {}))
         except Exception as e:   # noqa: BLE001 - a bad file must not take the app down
             self.post_message(ModelFailed(spec, str(e) or type(e).__name__))
             return

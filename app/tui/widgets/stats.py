@@ -18,6 +18,8 @@ def status_line(model: str, backend: str, stats: LiveStats | None, timings: Timi
         parts += [f"TTFT {timings.ttft_ms:.0f} ms", f"prompt {timings.prompt_per_second:.0f} t/s",
                   f"eval {timings.predicted_per_second:.1f} t/s"]
     parts += [f"ctx {stats.n_past}/{stats.n_ctx}", f"cache_n {stats.cache_n}"]
+    if stats.cache_disk_n:
+        parts.append(f"from disk {stats.cache_disk_n}")
     if busy:
         parts.append(phase_text(stats))
     parts.append(f"{model} · {backend}")
@@ -69,7 +71,7 @@ class XRayPanel(Vertical):
             self.query_one("#xray-latency", Label).update("no tokens yet")
         self.query_one("#xray-kv", Static).update(self.block_map_text(block_map))
         self.query_one("#xray-prefix", Label).update(
-            f"prefix reused: {stats.cache_n} tok\ncontext: {stats.n_past}/{stats.n_ctx}")
+            f"prefix reused: {stats.cache_n} tok ({stats.cache_disk_n} from disk)\ncontext: {stats.n_past}/{stats.n_ctx}")
         self.query_one("#xray-spec", Label).update(speculative)
 
     def block_map_text(self, block_map: list[str] | None) -> Text:
