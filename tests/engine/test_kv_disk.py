@@ -74,6 +74,22 @@ def test_a_turn_after_a_restore_from_disk_has_the_bits_of_the_blocks_in_memory(t
     assert second.reuse_prefix(turn2) == len(turn2) - 1 and second.stats.cache_disk_n == 0
 
 
+def test_batch_loads_a_shared_prefix_from_disk_once_and_saves_each_request(tiny_model, kv_root):
+    from core.batch import BatchRequest, BatchScheduler
+    from core.types import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=4)
+    turn_one(make_backend(tiny_model, "native"))             # PROMPT's three blocks are on disk
+    backend = make_backend(tiny_model, "native")
+    tails = [[5 + i] * 20 for i in range(3)]
+    results = list(BatchScheduler(backend, parallel=3).results(
+        BatchRequest(i, PROMPT + tail, params) for i, tail in enumerate(tails)))
+    assert sorted(r.timings.cache_disk_n for r in results) == [0, 0, 48]    # loaded once, then shared in memory
+    assert all(r.timings.cache_n == 48 for r in results)
+    fmt = backend.disk.fmt
+    for tail in tails:                                   # each request's own blocks are saved
+        assert all(backend.disk.has(k) for k in fmt.keys(PROMPT + tail, 4))
+
+
 def test_a_block_from_another_model_or_arithmetic_is_never_found(tiny_model, kv_root):
     turn_one(make_backend(tiny_model, "native"))
     fmt = make_backend(tiny_model, "native").disk.fmt
