@@ -45,6 +45,7 @@ import numpy as np
 
 from core.kv_cache import OutOfBlocks
 from core.paths import cache_dir, data_dir
+from models.errors import BadInputError
 
 if TYPE_CHECKING:
     from core.kv_cache import PagedKVCache, Sequence as KVSequence
@@ -66,10 +67,10 @@ def kv_dir() -> Path:
 def enabled_by_default() -> bool:
     """Whether the disk cache is on where no flag says: KVCHAT_KV_DISK=on|off, else the setting
     (`kvchat cache on|off`), else on."""
-    raw = os.environ.get(ENV_ON, "").strip()
+    raw = os.environ.get(ENV_ON, "").strip().lower()
     if not raw:
         return bool(_settings().get("kv_disk", True))
-    return raw.strip().lower() not in ("off", "0", "no", "false")
+    return raw not in ("off", "0", "no", "false")
 
 
 def parse_size(text: str) -> int:
@@ -87,7 +88,10 @@ def default_max_bytes() -> int:
     SIZE`), else DEFAULT_MAX_BYTES."""
     raw = os.environ.get(ENV_MAX)
     if raw:
-        return parse_size(raw)
+        try:
+            return parse_size(raw)
+        except ValueError:
+            raise BadInputError(f"{ENV_MAX} wants a size such as 4G or 500M, got {raw!r}") from None
     value = _settings().get("kv_disk_max")
     return value if isinstance(value, int) and value >= 0 else DEFAULT_MAX_BYTES
 

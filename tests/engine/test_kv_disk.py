@@ -15,6 +15,7 @@ from core.kv_cache import PagedKVCache
 from core.kv_disk import BlockFormat, DiskKV
 from core.native_backend import NativeBackend
 from core.torch_backend import TorchBackend
+from models.errors import BadInputError
 from tests.conftest import run_kvchat
 
 BS = 16
@@ -251,12 +252,15 @@ def test_the_paged_cache_reads_and_writes_whole_blocks():
     assert not cache.read_block(2)[0].any()
 
 
-def test_sizes_parse_as_people_write_them():
+def test_sizes_parse_as_people_write_them(monkeypatch):
     assert kv_disk.parse_size("4G") == 4 << 30 and kv_disk.parse_size("500M") == 500 << 20
     assert kv_disk.parse_size("1.5GiB") == 3 << 29 and kv_disk.parse_size("123") == 123
     for bad in ("", "x", "-1G", "inf"):
         with pytest.raises(ValueError):
             kv_disk.parse_size(bad)
+    monkeypatch.setenv(kv_disk.ENV_MAX, "lots")
+    with pytest.raises(BadInputError, match="KVCHAT_KV_DISK_MAX wants a size"):
+        kv_disk.default_max_bytes()
 
 
 # --- as a user runs it -----------------------------------------------------------------------
