@@ -10,9 +10,16 @@ registered full blocks (Sequence.reuse_prefix).
 Each request's life (stop strings, end-of-generation tokens, max_tokens, the context limit,
 timings) is a core.request.Request, as in core.generate; with greedy sampling the output is the one generate gives for the
 request alone (the batched pass keeps each sequence's numbers, see models.transformer).
+
+The requests come from an iterator (`kvchat batch`: results/run) or from a live source that may
+have none waiting while others run (`kvchat serve`: serve). A request may stream its text
+(BatchRequest.on_text, called with each piece as its token is sampled) and may be cancelled
+(BatchRequest.cancel, checked before every step: it finishes with finish_reason "cancelled" and its
+sequence is released).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,6 +43,12 @@ class BatchRequest:
     prompt_ids: list[int]
     params: SamplingParams
     line: int | None = None     # where it came from in the input file (for the record)
+    on_text: Callable[[str], None] | None = None   # each piece of text as it is released (streaming)
+    cancel: threading.Event | None = None          # set it to end the request at the next step
+
+
+# What a live source's `take` returns when no request will ever come again (serve stops).
+END = object()
 
 
 @dataclass
@@ -82,9 +95,23 @@ class _Active:
 
     def take(self, token: int, now: float) -> bool:
         """One sampled token; True when the request is finished."""
-        self.pieces.append(self.state.take(token, self.seq.n_tokens, now))
+        self._emit(self.state.take(token, self.seq.n_tokens, now))
         self.next_token = token
         return self.state.done
+
+    def _emit(self, text: str) -> None:
+        self.pieces.append(text)
+        if text and self.req.on_text is not None:
+            self.req.on_text(text)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.req.cancel is not None and self.req.cancel.is_set()
+
+    def cancel(self) -> None:
+        """End it now (before its next token): whatever text was held back is released."""
+        self.state.timings.cache_n = self.cache_n
+        self._emit(self.state.cancel(during_prefill_done=self.prompt_n - len(self.todo)))
 
     def result(self) -> BatchResult:
         s = self.state
@@ -119,18 +146,35 @@ class BatchScheduler:
     def results(self, requests: Iterable[BatchRequest],
                 on_start: Callable[[BatchRequest], None] | None = None) -> Iterator[BatchResult]:
         waiting: Iterator[BatchRequest] = iter(requests)
+        return self._loop(lambda block: next(waiting, END), on_start)
+
+    def serve(self, take: Callable[[bool], "BatchRequest | None | object"],
+              on_finish: Callable[[BatchResult], None]) -> None:
+        """Run requests from a live source until it says END. take(block) returns the next waiting
+        request, or None when there is none: it is called with block=True only when no sequence is
+        running (it may then wait for one), so running sequences never wait for new requests."""
+        for result in self._loop(take):
+            on_finish(result)
+
+    def _loop(self, take: Callable[[bool], "BatchRequest | None | object"],
+              on_start: Callable[[BatchRequest], None] | None = None) -> Iterator[BatchResult]:
         active: list[_Active] = []
         exhausted = False
         while True:
             done: deque[BatchResult] = deque()
             while len(active) < self.parallel and not exhausted:   # join at once
-                req = next(waiting, None)
-                if req is None:
+                req = take(not active)
+                if req is END:
                     exhausted = True
+                    break
+                if req is None:
                     break
                 err = self._check(req)
                 if err:
                     done.append(BatchResult(req.id, error=err, line=req.line))
+                    continue
+                if req.cancel is not None and req.cancel.is_set():   # cancelled while it waited
+                    done.append(BatchResult(req.id, finish_reason="cancelled", line=req.line))
                     continue
                 if on_start:
                     on_start(req)
@@ -154,6 +198,12 @@ class BatchScheduler:
 
     def _step(self, active: list[_Active]) -> Iterator[BatchResult]:
         """One forward pass over all active sequences; yields the requests that finished."""
+        for a in [a for a in active if a.cancelled]:
+            a.cancel()
+            active.remove(a)
+            yield self._release(a)
+        if not active:
+            return
         budget = max(self.prefill_budget, PREFILL_CHUNK)
         ran: list[tuple[_Active, list[int]]] = []
         for a in active:
@@ -177,10 +227,13 @@ class BatchScheduler:
                 finished.append(a)
         for a in finished:
             active.remove(a)
-            self.backend.persist(a.seq)
-            a.seq.release()     # its full blocks stay registered: later prompts can reuse them
-            self._free.append(a.seq)
-            yield a.result()
+            yield self._release(a)
+
+    def _release(self, a: _Active) -> BatchResult:
+        self.backend.persist(a.seq)
+        a.seq.release()     # its full blocks stay registered: later prompts can reuse them
+        self._free.append(a.seq)
+        return a.result()
 
 
-__all__ = ["BatchRequest", "BatchResult", "BatchScheduler", "DEFAULT_PARALLEL"]
+__all__ = ["BatchRequest", "BatchResult", "BatchScheduler", "DEFAULT_PARALLEL", "END"]
