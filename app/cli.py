@@ -35,7 +35,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
     p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
                    help="inference engine (default: auto: kvchat's own engine for every file it runs, llama.cpp "
-                        "for the rest; native: kvchat's CPU engine; torch: its GPU engine)")
+                        "for the rest; native: kvchat's CPU engine; torch: its GPU engine; openai: a server at --base-url)")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="with --backend openai: an OpenAI-compatible server's API root, e.g. http://127.0.0.1:8080/v1 "
+                        "(vLLM, llama-server, Ollama, kvchat serve); -m names the model it serves")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="with --backend openai: the server's API key (default: $OPENAI_API_KEY)")
     p.add_argument("--device", choices=DEVICE_NAMES, default="auto",
                    help="auto: CUDA when there is a GPU, else the CPU; cuda: the torch engine on the GPU; "
                         "cpu: the CPU (--backend torch --device cpu runs the GPU engine in Triton's interpreter)")
@@ -143,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     from app.export import add_export_parser
     add_batch_parser(sub)
     add_export_parser(sub)
+    from app.serve import add_serve_parser
+    add_serve_parser(sub, _add_model_args)
     return parser
 
 
@@ -182,6 +189,9 @@ def dispatch(args) -> int:
     if command == "batch":
         from app.batch_cmd import cmd_batch
         return cmd_batch(args)
+    if command == "serve":
+        from app.serve import cmd_serve
+        return cmd_serve(args)
     if command == "export":
         from app.export import cmd_export
         return cmd_export(args)
@@ -201,13 +211,29 @@ def read_text_arg(value: str | None, what: str) -> str:
         raise BadInputError(f"stdin is not valid UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r})") from None
 
 
+def remote_args(args) -> dict:
+    """--base-url and --api-key for open_engine; each is an error without --backend openai (and
+    --backend openai without --base-url)."""
+    backend, base_url = getattr(args, "backend", None), getattr(args, "base_url", None)
+    if base_url is not None and backend != "openai":
+        raise BadInputError("--base-url goes with --backend openai")
+    if backend == "openai" and not base_url:
+        raise BadInputError("--backend openai needs --base-url URL (e.g. http://127.0.0.1:8080/v1)")
+    if getattr(args, "api_key", None) is not None and backend != "openai":
+        raise BadInputError("--api-key goes with --backend openai")
+    return {"base_url": base_url, "api_key": getattr(args, "api_key", None)} if backend == "openai" else {}
+
+
 def load_engine(args, model: str | None = None):
     from app.progress import stderr_progress
-    from core.engine import Engine
+    from core.engine import open_engine
+    remote = remote_args(args)
+    if remote:
+        return open_engine(model or args.model, backend="openai", **remote)
     with stderr_progress() as progress:
-        return Engine(model or args.model, backend=getattr(args, "backend", None), n_ctx=args.ctx,
-                      threads=args.threads, progress=progress, device=getattr(args, "device", "auto"),
-                      **kv_disk_from_args(args))
+        return open_engine(model or args.model, backend=getattr(args, "backend", None), n_ctx=args.ctx,
+                           threads=args.threads, progress=progress, device=getattr(args, "device", "auto"),
+                           **kv_disk_from_args(args))
 
 
 def cmd_run(args) -> int:
@@ -221,6 +247,11 @@ def cmd_run(args) -> int:
         raise BadInputError("the prompt is empty")
     attachments = [read_attachment(path) for path in getattr(args, "files", [])]   # (before the model loads)
     prompt = compose_message(prompt, attachments)
+    if remote_args(args):
+        if speculative.method != "off":
+            raise BadInputError("--speculative runs on the local engines, not --backend openai")
+        if params.banned:
+            raise BadInputError("--ban runs on the local engines, not --backend openai")
     engine = load_engine(args)
     chat = not args.no_chat
     if chat and not engine.has_chat_template:
@@ -234,6 +265,7 @@ def cmd_run(args) -> int:
     cancel = threading.Event()
     pieces, tokens = [], []
     interrupted = False
+    failed: BadInputError | None = None
     try:
         for event in engine.generate(ids, params, cancel, speculative):
             if event.id >= 0:
@@ -246,9 +278,12 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         interrupted = True
         engine.backend.finish_reason = "cancelled"
+    except BadInputError as e:   # a server failed mid-reply (--backend openai): what arrived, then the error
+        failed = e
     backend = engine.backend
     if args.json:
         print(json.dumps({
+            **({"error": str(failed)} if failed is not None else {}),
             "text": "".join(pieces), "tokens": tokens, "finish_reason": backend.finish_reason,
             "timings": backend.timings.as_dict(), "model": engine.model_name, "backend": engine.backend_name,
             "device": engine.device, "truncated": truncated,
@@ -258,12 +293,18 @@ def cmd_run(args) -> int:
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
+    if failed is not None:
+        if pieces:
+            sys.stderr.write(f"kvchat: the reply above is partial ({len(''.join(pieces))} characters)\n")
+        raise failed
     spec = ""
     if speculative.method != "off":
         drafted, accepted = backend.stats.spec_drafted, backend.stats.spec_accepted
         spec = f" | speculative {speculative.method}: accepted {accepted}/{drafted} drafts" + \
             (f" ({100 * accepted / drafted:.0f}%)" if drafted else "")
-    sys.stderr.write(f"[{backend.timings.summary()}{spec} | {backend.finish_reason}]\n")
+    from core.remote_engine import is_remote, summary
+    timings = summary(backend.timings) if is_remote(engine) else backend.timings.summary()
+    sys.stderr.write(f"[{timings}{spec} | {backend.finish_reason}]\n")
     if interrupted:
         sys.stderr.write("kvchat: interrupted\n")
         return EXIT_INTERRUPTED
@@ -358,6 +399,8 @@ def cmd_cache(args) -> int:
 def cmd_chat(args) -> int:
     if not hasattr(args, "model"):   # bare `kvchat`: chat with the defaults
         args = build_parser().parse_args(["chat"])
+    if remote_args(args) and args.speculative != "off":
+        raise BadInputError("--speculative runs on the local engines, not --backend openai")
     try:
         from app.tui.app import run_tui
     except ImportError:

@@ -93,7 +93,8 @@ def check_message_fits(engine, messages: Sequence[dict], attachments: Sequence[A
     all that fit_prompt never drops, must leave `reserve` tokens for the reply. The error gives the
     message's tokens, each file's and the context's size (fit_prompt's own error would not name
     the files). `messages` ends with the user message that holds the attachments."""
-    if not attachments:
+    from core.remote_engine import is_remote
+    if not attachments or is_remote(engine):   # a server counts its own tokens (and trims or refuses)
         return
     kept = [m for m in messages[:-1] if m["role"] == "system"] + [messages[-1]]
     n = len(engine.prompt_ids(kept, chat=chat))

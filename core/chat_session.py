@@ -32,7 +32,11 @@ def fit_prompt(engine, messages: Sequence[dict], chat: bool = True, reserve: int
     generate (prompt_budget). When it does not fit, the oldest whole turns go first (a user message
     and the replies after it); system messages and the last message always stay. Returns (ids,
     truncated). A last message that alone does not fit is an error. `engine` is an Engine or an
-    EngineProcess (prompt_ids, n_ctx)."""
+    EngineProcess (prompt_ids, n_ctx). A RemoteEngine's prompt is not token ids: it goes whole, and
+    the server trims it or refuses it (a one-line error)."""
+    from core.remote_engine import is_remote
+    if is_remote(engine):
+        return engine.prompt_ids([dict(m) for m in messages], chat=chat), False
     msgs = [dict(m) for m in messages]
     budget = prompt_budget(engine.n_ctx, reserve)
     ids = engine.prompt_ids(msgs, chat=chat)

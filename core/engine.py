@@ -19,7 +19,7 @@ from models import registry
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile, open_model
 
-BACKEND_NAMES = ("auto", "native", "llama.cpp", "torch")
+BACKEND_NAMES = ("auto", "native", "llama.cpp", "torch", "openai")   # openai: a server (core.remote_engine)
 DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEFAULT_CTX = 4096
 
@@ -51,6 +51,8 @@ def pick_backend(backend: str | None, device: str) -> tuple[str, str]:
     if backend is not None and backend not in BACKEND_NAMES:
         raise BadInputError(f"unknown backend '{backend}' (choose from {', '.join(BACKEND_NAMES)})")
     backend = backend or DEFAULT_BACKEND
+    if backend == "openai":
+        raise BadInputError("--backend openai talks to a server: it needs --base-url URL")
     if device == "cuda":
         if backend not in ("auto", "torch"):
             raise BadInputError(f"--device cuda runs the torch engine; the {backend} backend runs on the CPU")
@@ -118,6 +120,21 @@ def load_backend_or_cpu(name: str, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: 
         raise BadInputError(line + "; try --device cpu or a smaller --ctx")
     note(f"{line}; running on the CPU")
     return load_backend("native", gguf, tokenizer, n_ctx, threads, progress, "cpu")
+
+
+def open_engine(model: str = registry.DEFAULT_MODEL, backend: str | None = None, base_url: str | None = None,
+                api_key: str | None = None, **engine_args):
+    """The one place run, batch and the chat make their engine: a RemoteEngine for --backend openai
+    (a server at base_url; the local-model arguments do not apply), else an Engine."""
+    if (backend == "openai") != (base_url is not None):
+        raise BadInputError("--base-url goes with --backend openai" if base_url is not None
+                            else "--backend openai needs --base-url URL (e.g. http://127.0.0.1:8080/v1)")
+    if backend == "openai":
+        from core.remote_engine import RemoteEngine
+        return RemoteEngine(model, base_url, api_key)
+    if api_key is not None:
+        raise BadInputError("--api-key goes with --backend openai")
+    return Engine(model, backend=backend, **engine_args)
 
 
 @dataclass
