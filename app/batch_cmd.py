@@ -31,8 +31,13 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("input", help="JSONL file of {id, prompt | messages, sampling fields...}; '-' reads stdin")
     p.add_argument("-o", "--output", required=True, help="JSONL answers (appended; ids already answered are skipped, failed ones rerun)")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"registry name or path to a .gguf (default: {DEFAULT_MODEL})")
-    p.add_argument("--backend", choices=("native", "torch"), default="native",
-                   help="inference engine: native (default) or torch (the engines that batch)")
+    p.add_argument("--backend", choices=("native", "torch", "openai"), default="native",
+                   help="inference engine: native (default) or torch (the engines that batch), or openai: a server "
+                        "at --base-url, sent up to --parallel requests at once")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="with --backend openai: an OpenAI-compatible server's API root, e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="with --backend openai: the server's API key (default: $OPENAI_API_KEY)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the torch engine runs (see kvchat run --help)")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"context per sequence in tokens (default: {DEFAULT_CTX})")
@@ -124,7 +129,9 @@ def cmd_batch(args) -> int:
     from core.batch import BatchRequest, BatchResult, BatchScheduler
     from core.engine import Engine
 
-    if args.backend != "native":
+    from app.cli import remote_args
+    remote = remote_args(args)
+    if args.backend not in ("native", "openai"):
         raise BadInputError(f"batch runs on the native backend only (not {args.backend})")
     if args.parallel < 1:
         raise BadInputError("--parallel must be >= 1")
@@ -141,6 +148,8 @@ def cmd_batch(args) -> int:
             raise BadInputError(f"{args.input} is not valid UTF-8 (byte {e.start})") from None
     out_path = Path(args.output)
     skip = resume_output(out_path)
+    if remote:
+        return _batch_remote(args, remote, base, lines, out_path, skip)
     with stderr_progress() as progress:
         engine = Engine(args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads, progress=progress,
                         device=args.device if args.backend == "torch" else "cpu", **kv_disk_from_args(args))
@@ -181,4 +190,55 @@ def cmd_batch(args) -> int:
     dt = time.perf_counter() - t0
     sys.stderr.write(f"[{len(parsed)} requests ({len(skip)} already done, {n_err} errors) | {n_tok} tokens in "
                      f"{dt:.1f} s, {n_tok / dt if dt > 0 else 0:.1f} tok/s | {scheduler.steps} steps]\n")
+    return 0
+
+
+def _batch_remote(args, remote: dict, base, lines: list[str], out_path: Path, skip: set[str]) -> int:
+    """kvchat batch --backend openai: each line one streamed request to the server, up to --parallel
+    at once (threads); answers written as they finish, in kvchat batch's format (tokens: [], the
+    server gives no ids). A request the server refuses is that line's error record."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from core.batch import BatchResult
+    from core.engine import open_engine
+    from core.remote_engine import RemoteBackend
+
+    engine = open_engine(args.model, backend="openai", **remote)
+    chat = not args.no_chat
+    parsed = [p for p in parse_lines(lines, engine, base, chat) if p[0] is None or json.dumps(p[0]) not in skip]
+    lock = threading.Lock()
+    n_err = n_tok = 0
+    t0 = time.perf_counter()
+
+    def one(rid, line, prompt, params) -> BatchResult:
+        state = RemoteBackend(engine.n_ctx)
+        try:
+            text = "".join(e.text for e in engine.generate(prompt, params, backend=state))
+        except BadInputError as e:
+            return BatchResult(rid, error=str(e), line=line)
+        return BatchResult(rid, text, [], state.finish_reason, state.timings, line=line)
+
+    with open(out_path, "a", encoding="utf-8") as out:
+        def write(res: BatchResult) -> None:
+            nonlocal n_err, n_tok
+            with lock:
+                out.write(json.dumps(res.as_record(), ensure_ascii=False) + "\n")
+                out.flush()
+                n_err += res.error is not None
+                n_tok += res.timings.predicted_n
+
+        with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+            futures = []
+            for rid, line, prompt, params, err in parsed:
+                if err is not None:
+                    write(BatchResult(rid, error=err, line=line))
+                else:
+                    futures.append(pool.submit(one, rid, line, prompt, params))
+            for future in as_completed(futures):
+                write(future.result())
+    engine.close()
+    dt = time.perf_counter() - t0
+    sys.stderr.write(f"[{len(parsed)} requests ({len(skip)} already done, {n_err} errors) | {n_tok} tokens in "
+                     f"{dt:.1f} s, {n_tok / dt if dt > 0 else 0:.1f} tok/s | {engine.base_url}]\n")
     return 0
