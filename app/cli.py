@@ -150,8 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     from app.serve import add_serve_parser
     add_serve_parser(sub, _add_model_args)
-    from app.serve import add_serve_parser
-    add_serve_parser(sub, _add_model_args)
     return parser
 
 
@@ -191,9 +189,6 @@ def dispatch(args) -> int:
     if command == "batch":
         from app.batch_cmd import cmd_batch
         return cmd_batch(args)
-    if command == "serve":
-        from app.serve import cmd_serve
-        return cmd_serve(args)
     if command == "serve":
         from app.serve import cmd_serve
         return cmd_serve(args)
