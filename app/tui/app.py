@@ -37,6 +37,7 @@ from core.attachments import (Attachment, check_attachment_fits, check_message_f
 from core.chat_session import ChatSession, Reply
 from core.history import History
 from core.types import SamplingParams
+from core.remote_engine import UNKNOWN_CTX
 from models.errors import BadInputError
 
 __all__ = ["KvChatApp", "TokenArrived", "run_tui"]
@@ -72,13 +73,14 @@ class KvChatApp(ChatActions, App):
 
     def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
                  threads: int | None = None, engine=None, db_path=None, speculative=None, device: str = "auto",
-                 kv_disk: dict | None = None):
+                 kv_disk: dict | None = None, remote: dict | None = None):
         super().__init__()
         from core.engine import DEFAULT_CTX
         from models.registry import DEFAULT_MODEL
         self.model_spec = model or (engine.model_name if engine is not None else DEFAULT_MODEL)
         self.backend_pref, self.device_pref = backend, device
         self.kv_disk = kv_disk                     # Engine's kv_disk and kv_disk_max (app.args.kv_disk_from_args)
+        self.remote = remote                       # backend openai: {base_url, api_key} (core.remote_engine)
         self.n_ctx = n_ctx or DEFAULT_CTX
         self.threads = threads
         self.speculative = speculative             # core.types.SpeculativeConfig or None
@@ -325,7 +327,8 @@ class KvChatApp(ChatActions, App):
             status.show_no_engine(self.model_spec, bool(self.loading_model), self.queued_text is not None)
             xray.show(None, None)
         elif not self.generated_once:   # nothing measured in this session yet
-            status.update(f"{engine.model_name} · {engine.backend_name} on {engine.device} · ctx {engine.n_ctx} · ready")
+            ctx = "n/a" if engine.n_ctx >= UNKNOWN_CTX else engine.n_ctx
+            status.update(f"{engine.model_name} · {engine.backend_name} on {engine.device} · ctx {ctx} · ready")
         else:
             backend = engine.backend
             status.update(status_line(engine.model_name, f"{engine.backend_name} on {engine.device}", backend.stats,
@@ -337,7 +340,7 @@ class KvChatApp(ChatActions, App):
     def load_model(self, spec: str) -> None:
         # the backend the user named, else auto again: the next file may run where this one did not
         self.query_one(ModelLoading).load(spec, self.backend_pref, self.n_ctx, self.threads, self.device_pref,
-                                          self.kv_disk)
+                                          self.kv_disk, self.remote)
 
     @on(ModelProgress)
     def on_model_progress(self, event: ModelProgress) -> None:
@@ -394,7 +397,9 @@ def run_tui(args) -> int:
     from app.args import kv_disk_from_args
     from core.types import SpeculativeConfig
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
+    from app.cli import remote_args
     app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,
-                    speculative=speculative, device=args.device, kv_disk=kv_disk_from_args(args))
+                    speculative=speculative, device=args.device, kv_disk=kv_disk_from_args(args),
+                    remote=remote_args(args) or None)
     app.run()
     return 0

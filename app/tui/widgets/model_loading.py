@@ -27,8 +27,10 @@ class ModelLoading(Horizontal):
 
     @work(thread=True, exclusive=True, group="model")
     def load(self, spec: str, backend: str | None, n_ctx: int, threads: int | None, device: str = "auto",
-             kv_disk: dict | None = None) -> None:
-        """Posts ModelProgress while loading, then ModelLoaded or ModelFailed (they bubble to the app)."""
+             kv_disk: dict | None = None, remote: dict | None = None) -> None:
+        """Posts ModelProgress while loading, then ModelLoaded or ModelFailed (they bubble to the app).
+        remote ({base_url, api_key}, backend openai): a RemoteEngine in this process (it only waits
+        on the network)."""
         from core.engine_process import EngineProcess
         last = [0.0]
 
@@ -40,8 +42,12 @@ class ModelLoading(Horizontal):
 
         self.post_message(ModelProgress(f"loading {spec}", 0, 0))
         try:
-            engine = EngineProcess(spec, backend=backend, n_ctx=n_ctx, threads=threads, progress=progress,
-                                   backend_progress=progress, device=device, **(kv_disk or {}))
+            if backend == "openai":
+                from core.engine import open_engine
+                engine = open_engine(spec, backend="openai", **(remote or {}))
+            else:
+                engine = EngineProcess(spec, backend=backend, n_ctx=n_ctx, threads=threads, progress=progress,
+                                       backend_progress=progress, device=device, **(kv_disk or {}))
         except Exception as e:   # noqa: BLE001 - a bad file must not take the app down
             self.post_message(ModelFailed(spec, str(e) or type(e).__name__))
             return

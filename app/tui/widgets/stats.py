@@ -15,9 +15,10 @@ def status_line(model: str, backend: str, stats: LiveStats | None, timings: Timi
         return f"{model} · {backend}"
     parts = []   # the numbers first, so they stay visible at 80 columns
     if timings.ttft_ms or timings.prompt_n:
-        parts += [f"TTFT {timings.ttft_ms:.0f} ms", f"prompt {timings.prompt_per_second:.0f} t/s",
+        parts += [f"TTFT {timings.ttft_ms:.0f} ms",
+                  f"prompt {timings.prompt_per_second:.0f} t/s" if timings.prompt_n else "prompt n/a",
                   f"eval {timings.predicted_per_second:.1f} t/s"]
-    parts += [f"ctx {stats.n_past}/{stats.n_ctx}", f"cache_n {stats.cache_n}"]
+    parts += [f"ctx {stats.n_past}/{stats.n_ctx or 'n/a'}", f"cache_n {stats.cache_n}"]   # n_ctx 0: not known
     if stats.cache_disk_n:
         parts.append(f"from disk {stats.cache_disk_n}")
     if busy:
@@ -71,7 +72,7 @@ class XRayPanel(Vertical):
             self.query_one("#xray-latency", Label).update("no tokens yet")
         self.query_one("#xray-kv", Static).update(self.block_map_text(block_map))
         self.query_one("#xray-prefix", Label).update(
-            f"prefix reused: {stats.cache_n} tok ({stats.cache_disk_n} from disk)\ncontext: {stats.n_past}/{stats.n_ctx}")
+            f"prefix reused: {stats.cache_n} tok ({stats.cache_disk_n} from disk)\ncontext: {stats.n_past}/{stats.n_ctx or 'n/a'}")
         self.query_one("#xray-spec", Label).update(speculative)
 
     def block_map_text(self, block_map: list[str] | None) -> Text:
