@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -263,5 +264,98 @@ async def test_chat_keeps_a_partial_reply_when_the_server_dies(own_server, tmp_p
             assert any("Generation failed" in str(n.message) and url in str(n.message) for n in app._notifications)
             stored = History(tmp_path / "h.db").messages(app.conversation_id)[-1]
             assert stored.status == "error" and stored.content == reply.content
+    finally:
+        engine.close()
+
+
+# --- another kvchat: `kvchat serve` -----------------------------------------------------------
+SERVE_MODEL = "qwen2.5-coder-0.5b-instruct"
+SERVE_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def kvchat_server(qwen_path):
+    """`kvchat serve` (the native engine) on a free port, with a key: its base URL."""
+    port = free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "kvchat")
+    proc = subprocess.Popen([exe, "serve", "-m", SERVE_MODEL, "--port", str(port), "--ctx", str(SERVE_CTX),
+                             "--api-key", KEY, "--threads", "2", "--kv-disk", "off"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvchat serve did not start (exit code {proc.poll()})")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop(proc)
+
+
+def served(url: str) -> list[str]:
+    return ["--backend", "openai", "--base-url", url, "-m", SERVE_MODEL, "--api-key", KEY]
+
+
+def test_run_against_kvchat_serve_reads_its_timings(kvchat_server):
+    out = run_kvchat("run", *served(kvchat_server), "--temperature", "0", "-n", "16", "--json",
+                     "What is the capital of France? Answer in one word.")
+    assert out.returncode == 0, out.stderr.decode()
+    result = json.loads(out.stdout)
+    assert "Paris" in result["text"] and result["finish_reason"] in ("stop", "length")
+    t = result["timings"]
+    assert t["prompt_n"] > 10 and t["prompt_ms"] > 0 and t["predicted_n"] >= 1   # the server's own timings
+    plain = run_kvchat("run", *served(kvchat_server), "--temperature", "0", "-n", "16",
+                       "What is the capital of France? Answer in one word.")
+    assert plain.returncode == 0 and plain.stdout.decode().rstrip("\n") == result["text"]
+    # the same prompt again: the server's prefix cache shows in its timings (computed + cached = the prompt)
+    m = re.search(r"prompt (\d+) tok, [\d.]+ tok/s \(cached (\d+)\)", plain.stderr.decode())
+    assert m and int(m[1]) + int(m[2]) == t["prompt_n"] + t["cache_n"] and int(m[2]) > 0, plain.stderr.decode()
+    # its refusal of a prompt over its context is one line with its words
+    too_long = run_kvchat("run", *served(kvchat_server), "-n", "4", "-", input=("hello world " * 600).encode())
+    assert too_long.returncode == 2
+    line = one_error_line(too_long)
+    assert "400" in line and f"{SERVE_CTX}" in line and kvchat_server in line
+
+
+def test_batch_against_kvchat_serve(kvchat_server, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"What is {i} + {i}? Answer with a number."}) + "\n"
+                           for i in (1, 2, 3)))
+    out = run_kvchat("batch", str(src), "-o", str(dst), *served(kvchat_server), "--temperature", "0", "-n", "8",
+                     "--parallel", "3")
+    assert out.returncode == 0, out.stderr.decode()
+    records = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+    assert sorted(records) == [1, 2, 3]
+    for i, r in records.items():
+        assert "error" not in r and str(2 * i) in r["text"] and r["timings"]["prompt_n"] > 0
+
+
+@pytest.mark.asyncio
+async def test_chat_against_kvchat_serve(kvchat_server, tmp_path):
+    from app.tui.app import KvChatApp
+    from app.tui.widgets.messages import AssistantMessage
+    from core.engine import open_engine
+    from core.types import SamplingParams
+    from tests.app.conftest import wait_until
+    engine = open_engine(SERVE_MODEL, backend="openai", base_url=kvchat_server, api_key=KEY)
+    assert engine.n_ctx == SERVE_CTX              # read from its /v1/models
+    app = KvChatApp(engine=engine, db_path=tmp_path / "h.db")
+    app.params = SamplingParams(temperature=0.0, max_tokens=24, seed=1)
+    try:
+        async with app.run_test(size=(120, 30)) as pilot:
+            await send(pilot, "What is the capital of France?")
+            await wait_until(pilot, lambda: app.reply_widget is not None, 60, "the reply to start")
+            await wait_until(pilot, lambda: not app.generating, 120, "the reply to finish")
+            await pilot.pause()
+            replies = list(app.query(AssistantMessage))
+            assert len(replies) == 1 and replies[0].status == "complete" and "Paris" in replies[0].content
+            status = str(app.query_one("#status").render())
+            assert "TTFT" in status and f"/{SERVE_CTX}" in status and "prompt n/a" not in status
     finally:
         engine.close()
