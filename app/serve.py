@@ -383,10 +383,18 @@ def cmd_serve(args) -> int:
                              f"of context) at http://{host}:{port}/v1 (Ctrl-C stops)\n")
             sys.stderr.flush()
             config = uvicorn.Config(server.app(), log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+
+            class Uvicorn(uvicorn.Server):
+                def handle_exit(self, sig, frame):   # Ctrl-C: running requests end now ("cancelled")
+                    live.cancel_all()
+                    super().handle_exit(sig, frame)
             try:
-                uvicorn.Server(config).run(sockets=[sock])
+                Uvicorn(config).run(sockets=[sock])
+            except KeyboardInterrupt:     # (uvicorn raises the signal again once it has shut down)
+                pass
             finally:
                 live.close()
+            sys.stderr.write("kvchat: server stopped\n")
         finally:
             engine.close()
     finally:

@@ -89,13 +89,17 @@ class LiveEngine:
         with self._lock:
             return {"in_flight": len(self._live), **self.counts}
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Cancel what runs and waits, and stop the engine thread."""
+    def cancel_all(self) -> None:
+        """Cancel what runs and waits, and take no more requests (shutting down; does not wait)."""
         with self._lock:
             self._closing = True
             live = list(self._live.values())
         for req in live:
             req.cancel()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """cancel_all, and stop the engine thread."""
+        self.cancel_all()
         self._queue.put(None)
         self._thread.join(timeout)
 
