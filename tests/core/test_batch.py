@@ -133,3 +133,41 @@ def test_unsupported_backend(engine, tmp_path, capsys):
     with pytest.raises(BadInputError, match="llama.cpp backend does not batch"):
         BatchScheduler(llama)
     llama.close()
+
+
+def test_live_requests_stream_join_in_flight_and_cancel(engine):
+    """serve(): requests that arrive while another runs join it; take is asked to wait only when no
+    sequence runs; each request streams its text as it goes; a cancelled one ends at the next step
+    (finish_reason cancelled) while the others go on."""
+    import threading
+    from core.batch import END
+    sched = BatchScheduler(engine.backend, parallel=4)
+    streamed: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    reqs = [BatchRequest(i, engine.prompt_ids(p), greedy(30), cancel=threading.Event())
+            for i, p in enumerate(["Count from 1 to 20.", "Name three colors.", "Write a long poem about the sea."])]
+    pending = [reqs[0]]
+    blocks: list[bool] = []
+    results = {}
+
+    def on_text(i):
+        def add(text):
+            streamed[i].append(text)
+            if i == 0 and len(streamed[0]) == 2:        # two more arrive while request 0 runs
+                pending.extend(reqs[1:])
+            if i == 2 and len(streamed[2]) == 3:
+                reqs[2].cancel.set()
+        return add
+    for r in reqs:
+        r.on_text = on_text(r.id)
+
+    def take(block):
+        blocks.append(block)
+        return pending.pop(0) if pending else END if block else None
+    sched.serve(take, lambda r: results.__setitem__(r.id, r))
+    assert sorted(results) == [0, 1, 2]
+    assert blocks[0] is True and blocks[-1] is True and True not in blocks[1:-1]
+    assert results[2].finish_reason == "cancelled" and len(results[2].tokens) == 3
+    for i in (0, 1):
+        assert results[i].finish_reason in ("stop", "length") and len(results[i].tokens) > 3
+    for i, r in results.items():
+        assert "".join(streamed[i]) == r.text and r.text
