@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 from core.types import SamplingParams
 from models.errors import BadInputError
@@ -58,8 +60,40 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         v = getattr(args, f.name)
         if f.name == "logit_bias":
             v = [_logit_bias(item) for item in v]
+        if f.name in ("json_schema", "grammar") and v is not None:
+            v = _constraint_text(f.name, v)
         values[f.name] = tuple(v) if f.metadata["repeat"] else v
     return SamplingParams(**values).validate()
+
+
+def _constraint_text(name: str, value: str) -> str:
+    """--json-schema / --grammar: a value naming a file is read from it; otherwise --json-schema is
+    inline JSON and --grammar inline GBNF (text with a '::=' rule). The schema comes back as compact
+    JSON text."""
+    flag = "--" + name.replace("_", "-")
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInputError(f"{flag}: cannot read {path}: {e}") from None
+    elif name == "grammar" and "::=" not in value:
+        raise BadInputError(f"{flag}: no such file: {value}")
+    if name == "grammar":
+        return value
+    try:
+        return json.dumps(json.loads(value))
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"{flag}: neither a file nor valid JSON ({e})") from None
+
+
+def _constraint_field(name: str, value) -> str:
+    """A batch line's (or a request body's) json_schema (an object, or its JSON text) or grammar (GBNF text)."""
+    if name == "json_schema" and isinstance(value, (dict, bool)):
+        return json.dumps(value)
+    if not isinstance(value, str):
+        raise BadInputError(f"{name} must be {'a JSON object or a string' if name == 'json_schema' else 'a string'}")
+    return value
 
 
 def set_default_sampling_args(args: argparse.Namespace, **overrides) -> None:
@@ -90,6 +124,8 @@ def sampling_from_json(obj: dict, base: SamplingParams) -> SamplingParams:
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise BadInputError(f"{f.name} must be a string or a list of strings")
             changes[f.name] = tuple(value)
+        elif f.name in ("json_schema", "grammar"):
+            changes[f.name] = _constraint_field(f.name, value)
         else:
             changes[f.name] = _number(f.name, value, f.metadata["kind"])
     return dataclasses.replace(base, **changes).validate()

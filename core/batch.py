@@ -80,7 +80,7 @@ class _Active:
         self.state.timings.cache_disk_n = seq.n_restored
         self.todo = list(req.prompt_ids[self.cache_n:])
         self.prompt_n = len(self.todo)
-        self.sampler = Sampler(req.params, backend.tokenizer.n_vocab)
+        self.sampler = Sampler(req.params, backend.tokenizer.n_vocab, backend.tokenizer)
         self.sampler.remember(req.prompt_ids)
         self.pieces: list[str] = []
         self.next_token: int | None = None

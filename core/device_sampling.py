@@ -10,7 +10,8 @@ sampler would pick from the same logits (tests check this on CPU tensors).
 
 The cut-offs are masks, not slices, and scalars enter as Python numbers, so that no step waits for
 the device (a tensor built from host data is a blocking copy: the few ids of a logit bias or a
-penalty window go through pinned memory, asynchronously).
+penalty window go through pinned memory, asynchronously). A grammar's mask (core.constrained) is
+computed on the host and crosses the same way, as one bool a token.
 """
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def penalized(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
-    """Sampler.apply_penalties on a (n_vocab,) device tensor: bias, then the window's penalties."""
+    """Sampler.prepare on a (n_vocab,) device tensor: the grammar's mask, bias, then the window's penalties."""
     p = sampler.params
     z = logits.float()
+    if sampler.constraint is not None:
+        allowed = torch.from_numpy(sampler.constraint.allowed(z.shape[0]))              # (V,) bool, host
+        allowed = allowed.pin_memory().to(z.device, non_blocking=True) if z.device.type == "cuda" else allowed.to(z.device)
+        z = z.masked_fill(~allowed, float("-inf"))
     if p.logit_bias:
         pairs = [(t, b) for t, b in p.logit_bias if t < z.shape[0]]
         if pairs:
@@ -88,5 +93,5 @@ def sample_on_device(sampler: Sampler, logits: torch.Tensor) -> int:
         # numpy's Generator.choice: cdf /= cdf[-1], then the first index whose cdf exceeds u
         idx = (cdf / cdf[-1] <= sampler.rng.random()).sum().clamp_(max=cdf.shape[0] - 1)
         token = int(ids[order][idx])
-    sampler.remember([token])
+    sampler.picked(token)
     return token

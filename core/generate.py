@@ -55,7 +55,7 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
     stats.phase, stats.cache_n, stats.prefill_done, stats.prefill_total = "prefill", cache_n, 0, len(todo)
     backend.set_phase("prefill")
     stats.n_past = cache_n
-    sampler = Sampler(params, backend.tokenizer.n_vocab)
+    sampler = Sampler(params, backend.tokenizer.n_vocab, backend.tokenizer)
     sampler.remember(prompt_ids)
     plain = not speculating and not params.banned
     logits = first = None
@@ -173,6 +173,8 @@ def _guarded_tokens(backend: "Backend", logits: np.ndarray, sampler: Sampler,
                 k += 1
                 end += len(held[k].text)
             first = held[k]
+            if sampler.constraint is not None:      # the grammar forgets the tokens backed off from
+                sampler.constraint.rollback(len(held) - k)
             bans.setdefault(first.pos, set()).add(first.token)
             if stats.n_past > first.pos:
                 backend.rollback(first.pos)

@@ -1,8 +1,9 @@
 """Token sampling over one logits vector, in llama.cpp's order:
-penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+grammar mask -> penalties -> top-k -> top-p -> min-p -> temperature -> draw.
 
 Temperature 0 is greedy (argmax after penalties). The seed fixes our own generator, so a sampled run
-is reproducible whichever backend produced the logits.
+is reproducible whichever backend produced the logits. A JSON schema or grammar (core.constrained)
+sets the tokens it disallows to -inf first, and moves on with every token this sampler picks.
 """
 from __future__ import annotations
 
@@ -13,20 +14,40 @@ import numpy as np
 
 
 class Sampler:
-    def __init__(self, params, n_vocab: int):
+    def __init__(self, params, n_vocab: int, tokenizer=None):
+        """`tokenizer` is needed only when params constrain the output (json_schema, grammar)."""
         self.params = params
         self.n_vocab = n_vocab
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.recent: deque[int] = deque(maxlen=max(params.repeat_last_n, 0))
+        self.constraint = None
+        if params.json_schema or params.grammar:
+            from core.constrained import Constraint
+            if tokenizer is None:
+                raise ValueError("a constrained Sampler needs the tokenizer")
+            self.constraint = Constraint(params, tokenizer)
 
     def remember(self, ids: Iterable[int]) -> None:
         """Add tokens to the penalty window (the prompt, then each sampled token)."""
         if self.recent.maxlen:
             self.recent.extend(ids)
 
+    def picked(self, token: int) -> None:
+        """The token is part of the output now: the penalty window and the grammar move past it."""
+        self.remember([token])
+        if self.constraint is not None:
+            self.constraint.advance(token)
+
+    def prepare(self, logits: np.ndarray) -> np.ndarray:
+        """The grammar's mask, then logit bias and penalties: what top-k and the rest start from."""
+        logits = np.asarray(logits, dtype=np.float32)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        return self.apply_penalties(logits)
+
     def sample(self, logits: np.ndarray) -> int:
-        logits = self.apply_penalties(np.asarray(logits, dtype=np.float32))
+        logits = self.prepare(logits)
         if self.params.temperature <= 0:
             token = int(np.argmax(logits))
         else:
@@ -35,27 +56,28 @@ class Sampler:
             # by float noise then pick the same token unless the draw lands right on a boundary.
             order = np.argsort(ids)
             token = int(ids[order][self.rng.choice(len(ids), p=probs[order])])
-        self.remember([token])
+        self.picked(token)
         return token
 
     def verify(self, logits: np.ndarray, proposed: int) -> tuple[bool, int]:
         """Speculative decoding's check of one draft token against the target logits: (accepted,
         token). Greedy accepts iff the draft is the argmax. Sampled accepts with probability p(draft)
-        and otherwise draws from p without the draft, which leaves the distribution unchanged."""
-        logits = self.apply_penalties(np.asarray(logits, dtype=np.float32))
+        and otherwise draws from p without the draft, which leaves the distribution unchanged. The
+        logits are masked first, so a draft the grammar disallows (p = 0) is always rejected."""
+        logits = self.prepare(logits)
         if self.params.temperature <= 0:
             token = int(np.argmax(logits))
-            self.remember([token])
+            self.picked(token)
             return token == proposed, token
         ids, probs = self.candidates(logits)
         p_draft = float(probs[ids == proposed].sum())
         if self.rng.random() < p_draft:
-            self.remember([proposed])
+            self.picked(proposed)
             return True, proposed
         rest = np.where(ids == proposed, 0.0, probs)
         order = np.argsort(ids)
         token = int(ids[order][self.rng.choice(len(ids), p=rest[order] / rest.sum())])
-        self.remember([token])
+        self.picked(token)
         return False, token
 
     def apply_penalties(self, logits: np.ndarray) -> np.ndarray:

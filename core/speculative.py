@@ -11,6 +11,8 @@ Greedy verification keeps exactly the tokens plain greedy decoding would produce
 a small verification batch through its one-token kernels, so the logits are the same numbers).
 Sampled verification uses the standard rule for a deterministic draft: accept draft token d with
 probability p(d), else sample from p with d removed; the output distribution is unchanged.
+Under a JSON schema or grammar (core.constrained) the draft is cut where the grammar stops allowing
+it, and each row is verified against masked logits, so the output follows the grammar.
 """
 from __future__ import annotations
 
@@ -135,6 +137,8 @@ def speculative_tokens(backend, logits: np.ndarray, sampler: Sampler, prompt_ids
         history.append(token)
         room = backend.n_ctx - stats.n_past - 2                 # keep one slot for the bonus token
         draft = drafter.propose(history, min(config.max_draft, room)) if room > 0 else []
+        if sampler.constraint is not None:      # draft tokens the grammar disallows would be rejected
+            draft = draft[:sampler.constraint.valid_prefix(draft)]
         base = stats.n_past
         rows = backend.verify([token] + draft)            # (1 + len(draft), n_vocab)
         accepted = 0

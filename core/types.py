@@ -8,12 +8,14 @@ from dataclasses import asdict, dataclass, field, fields
 from models.errors import BadInputError
 
 def option(default, kind: type, help: str, hint: str = "", flag: str = "", repeat: bool = False,
-           metavar: str | None = None, in_batch: bool = True):
+           metavar: str | None = None, in_batch: bool = True, in_settings: bool = True):
     """A SamplingParams field and what the interfaces built from it need: its command-line flag (by
     default --field-name), help and a short hint (its settings label), the type of one value,
-    whether it repeats, and whether a `kvchat batch` line may set it."""
+    whether it repeats, whether a `kvchat batch` line may set it, and whether the chat stores it
+    with its settings (a one-line text field on the settings screen)."""
     return field(default=default, metadata={"kind": kind, "help": help, "hint": hint, "flag": flag,
-                                            "repeat": repeat, "metavar": metavar, "in_batch": in_batch})
+                                            "repeat": repeat, "metavar": metavar, "in_batch": in_batch,
+                                            "in_settings": in_settings})
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,23 @@ class SamplingParams:
     banned: tuple[str, ...] = option(     # strings that must never appear in the output (back off and resample)
         (), str, "a string that must never appear in the output (repeatable): decoding backs off and "
         "resamples where it would start", flag="--ban", repeat=True, metavar="STRING", in_batch=False)
+    # Constrained decoding (core.constrained): the output follows a JSON schema (JSON text) or a GBNF
+    # grammar. Not a settings-screen field: a schema is a document, not a one-line value.
+    json_schema: str | None = option(
+        None, str, "the output is JSON valid against this schema (a file, or the schema as inline JSON)",
+        metavar="FILE_OR_JSON", in_settings=False)
+    grammar: str | None = option(
+        None, str, "the output follows this GBNF grammar (a .gbnf file, or inline GBNF)", metavar="FILE",
+        in_settings=False)
 
     def settings(self) -> dict:
         """The single-valued options, as a chat stores them (its settings)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata["repeat"]}
+        return {f.name: getattr(self, f.name) for f in fields(self) if _is_setting(f)}
 
     @classmethod
     def from_settings(cls, values: dict) -> "SamplingParams":
         """Stored settings back (fields this version does not know are left out)."""
-        known = {f.name for f in fields(cls) if not f.metadata["repeat"]}
+        known = {f.name for f in fields(cls) if _is_setting(f)}
         return cls(**{k: v for k, v in values.items() if k in known})
 
     def validate(self) -> "SamplingParams":
@@ -69,7 +79,14 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise BadInputError(message)
+        if self.json_schema or self.grammar:
+            from core.constrained import check     # (llguidance loads only when a constraint is used)
+            check(self)
         return self
+
+
+def _is_setting(f) -> bool:
+    return not f.metadata["repeat"] and f.metadata["in_settings"]
 
 
 @dataclass(frozen=True)

@@ -17,3 +17,4 @@ _.cb_eval  # tests/engine/test_llamacpp_tensors.py: a llama.cpp context paramete
 _.nthread  # tests/engine/conftest.py: a llama_model_quantize parameter (ctypes field)
 _.get_suggestion  # app/tui/screens/attach.py: Textual's Suggester calls it
 _.tooltip  # app/tui/widgets/attachments.py: Textual shows it on hover
+_.bos_token_id  # core/constrained.py: llguidance's TokenizerWrapper reads it

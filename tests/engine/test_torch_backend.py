@@ -147,6 +147,27 @@ def test_sampling_on_the_device_picks_the_host_samplers_tokens(tiny_model):
     assert ours == theirs and len(set(ours)) > 3
 
 
+def test_a_json_schema_masks_sampling_on_the_device(tiny_model):
+    """A schema's mask (core.constrained) reaches the device sampler: the random tiny model's
+    sampled output still validates, and it is what the host sampler picks from the same logits."""
+    import json
+
+    import jsonschema
+    torch_be, _ = engines(tiny_model, "llama", "Q8_0")
+    schema = {"enum": ["yes", "no", "maybe"]}
+    params = SamplingParams(temperature=1.0, top_k=0, seed=4, max_tokens=10, json_schema=json.dumps(schema))
+    events = list(torch_be.generate(IDS[:10], params))
+    assert torch_be.finish_reason == "stop"                 # the grammar completed: only </s> was left
+    jsonschema.validate(json.loads("".join(e.text for e in events)), schema)
+    torch_be.reset()
+    sampler = Sampler(params, torch_be.tokenizer.n_vocab, torch_be.tokenizer)
+    sampler.remember(IDS[:10])
+    theirs = [sampler.sample(torch_be.extend(IDS[:10]))]
+    while theirs[-1] not in torch_be.tokenizer.eog_ids:
+        theirs.append(sampler.sample(torch_be.extend([theirs[-1]])))
+    assert [e.id for e in events if e.id >= 0] == theirs[:-1]
+
+
 def test_decode_step_padding_is_invisible(tiny_model):
     """A decode step padded to a captured batch size and the full table width (as the CUDA graphs
     run it, here eagerly) gives the real rows the unpadded step's logits exactly, and its pad rows
