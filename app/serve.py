@@ -79,8 +79,8 @@ def _param_of(message: str, names) -> str | None:
 
 def sampling_params(body: dict, n_ctx: int) -> SamplingParams:
     """An OpenAI request's sampling fields (max_tokens or max_completion_tokens, temperature, top_p,
-    stop, seed, presence_penalty, frequency_penalty, logit_bias; kvchat's top_k, min_p,
-    repeat_penalty, repeat_last_n) as SamplingParams. Without max_tokens a reply runs to the end of
+    stop, seed, presence_penalty, frequency_penalty, logit_bias, response_format; kvchat's top_k,
+    min_p, repeat_penalty, repeat_last_n, json_schema, grammar) as SamplingParams. Without max_tokens a reply runs to the end of
     the context (or an end-of-generation token), as llama-server's does."""
     fields = {k: body[k] for k in _SAMPLING_NAMES if body.get(k) is not None}
     if body.get("max_completion_tokens") is not None:
@@ -104,7 +104,35 @@ def sampling_params(body: dict, n_ctx: int) -> SamplingParams:
                 raise _bad("logit_bias maps token ids to numbers in [-100, 100]", "logit_bias")
             pairs.append((int(k), -math.inf if v == -100 else float(v)))
         params = dataclasses.replace(params, logit_bias=tuple(pairs))
+    if body.get("response_format") is not None:
+        params = _response_format(body["response_format"], params)
     return params
+
+
+def _response_format(rf: Any, params: SamplingParams) -> SamplingParams:
+    """OpenAI's response_format as constrained decoding (core.constrained, SamplingParams.json_schema):
+    {"type": "json_schema", "json_schema": {"schema": {...}}} follows the schema, {"type": "json_object"}
+    gives a JSON object, {"type": "text"} is unconstrained."""
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("response_format must be an object with a type", "response_format")
+    kind = rf["type"]
+    if kind == "text":
+        return params
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise _bad("response_format.json_schema must be an object with a schema object", "response_format")
+        schema = spec["schema"]
+    else:
+        raise _bad(f"unknown response_format type {kind!r} (text, json_object or json_schema)", "response_format")
+    if "json_schema" not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        raise _bad("response_format needs constrained decoding, which this kvchat lacks", "response_format")
+    try:
+        return dataclasses.replace(params, json_schema=json.dumps(schema)).validate()
+    except BadInputError as e:
+        raise _bad(str(e), "response_format") from None
 
 
 def _check_common(body: dict) -> tuple[bool, bool]:

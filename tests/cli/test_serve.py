@@ -1,5 +1,6 @@
 """`kvchat serve` driven as a client would: the server in a subprocess, the official openai client
 (and raw HTTP for what the client cannot send: bad JSON, an oversized body)."""
+import dataclasses
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from core.types import SamplingParams
 from tests.conftest import run_kvchat
 
 pytestmark = pytest.mark.real_model   # drives kvchat in subprocesses
@@ -227,3 +229,24 @@ def test_bad_requests_get_openai_error_objects(server, client):
         assert r.status == 200      # none of that hurt the server
     resp = client.completions.create(model="any", prompt="1, 2, 3,", temperature=0, max_tokens=4)
     assert resp.choices[0].text
+
+
+@pytest.mark.skipif("json_schema" not in {f.name for f in dataclasses.fields(SamplingParams)},
+                    reason="constrained decoding (SamplingParams.json_schema) is not in this tree yet")
+def test_response_format_constrains_the_output_to_json(server, client):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    resp = client.chat.completions.create(
+        model="any", temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": "Invent a person. Answer with their name and age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    person = json.loads(resp.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str) and isinstance(person["age"], int)
+    resp = client.chat.completions.create(
+        model="any", temperature=0, max_tokens=80, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe a cat in a few words."}])
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_schema", "json_schema": {"schema": 5}})
+    assert e.value.status_code == 400 and e.value.param == "response_format"
