@@ -265,7 +265,11 @@ class Server:
         stream, include_usage = _check_common(body)
         messages = chat_messages(body)
         params = sampling_params(body, self.engine.n_ctx)
-        ids = self.engine.prompt_ids(messages, chat=self.engine.has_chat_template)
+        try:
+            ids = self.engine.prompt_ids(messages, chat=self.engine.has_chat_template)
+        except Exception as e:      # the template's raise_exception (say, roles out of order)
+            raise _bad(f"the model's chat template refused these messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                       "messages") from None
         self.check_prompt(ids, "messages")
         return await self.respond(request, ids, params, stream, include_usage, chat=True)
 
