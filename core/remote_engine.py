@@ -194,6 +194,7 @@ class RemoteEngine:
         n_chunks = 0
         usage = timings = None
         stream = None
+        done = threading.Event()
         try:
             kw = dict(model=self.model_name, stream=True, stream_options={"include_usage": True},
                       **self.request_fields(params))
@@ -201,6 +202,8 @@ class RemoteEngine:
                 stream = self.client.chat.completions.create(messages=prompt, **kw)
             else:
                 stream = self.client.completions.create(prompt=prompt, **kw)
+            if cancel is not None:    # a stop while the server is still reading the prompt (no chunk to check at)
+                threading.Thread(target=_close_on_cancel, args=(stream, cancel, done), daemon=True).start()
             for chunk in stream:
                 extra = chunk.model_extra or {}
                 if isinstance(extra.get("timings"), dict):
@@ -231,9 +234,13 @@ class RemoteEngine:
             b.finish_reason = b.finish_reason or "cancelled"
             raise
         except Exception as e:   # noqa: BLE001 - one line, the text so far already yielded
+            if cancel is not None and cancel.is_set():    # the stream closed under it: a stop, not a failure
+                b.finish_reason = "cancelled"
+                return
             b.finish_reason = "error"
             raise self.error(e, endpoint + (" (mid-reply)" if n_chunks else "")) from None
         finally:
+            done.set()
             b.finish_reason = "error" if b.finish_reason is None else b.finish_reason
             if stream is not None:
                 try:
@@ -267,6 +274,18 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _close_on_cancel(stream, cancel: threading.Event, done: threading.Event) -> None:
+    """Close `stream` when `cancel` is set before `done` (the reading thread then stops at once)."""
+    while not done.is_set():
+        if cancel.wait(0.1):
+            if not done.is_set():
+                try:
+                    stream.close()
+                except Exception:   # noqa: BLE001 - already closed
+                    pass
+            return
 
 
 def summary(t: Timings) -> str:

@@ -245,6 +245,29 @@ async def test_chat_sends_and_shows_the_reply(server, tmp_path):
 
 
 @pytest.mark.asyncio
+async def test_chat_escape_stops_a_remote_reply(server, tmp_path):
+    from core.history import History
+    from tests.app.conftest import wait_until
+    no_end = tuple((t, float("-inf")) for t in QWEN_EOS)
+    app, engine = chat_app(server, tmp_path / "h.db", max_tokens=1500, logit_bias=no_end, temperature=0.8)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await send(pilot, "Write a long story about a dragon.")
+            await wait_until(pilot, lambda: app.reply_widget is not None and len(app.reply_widget.content) > 20,
+                             120, "some streamed text")
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: not app.generating, 60, "the stop")
+            await pilot.pause()
+            reply = app.reply_widget
+            assert reply.status == "stopped" and reply.content
+            assert engine.backend.finish_reason == "cancelled" and engine.backend.timings.predicted_n < 1500
+            stored = History(tmp_path / "h.db").messages(app.conversation_id)[-1]
+            assert stored.status == "stopped" and stored.content == reply.content
+    finally:
+        engine.close()
+
+
+@pytest.mark.asyncio
 async def test_chat_keeps_a_partial_reply_when_the_server_dies(own_server, tmp_path):
     from core.history import History
     from tests.app.conftest import wait_until
