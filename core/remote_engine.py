@@ -156,7 +156,8 @@ class RemoteEngine:
 
     def request_fields(self, params: SamplingParams) -> dict:
         """SamplingParams as OpenAI request fields; top_k, min_p and the repeat penalty go as extra
-        fields (llama-server, vLLM and llama-cpp-python read them; others ignore them)."""
+        fields (llama-server, vLLM and llama-cpp-python read them; others ignore them). A JSON schema
+        is OpenAI's response_format; a GBNF grammar the extra `grammar` field (llama-server's)."""
         fields: dict = {"temperature": params.temperature, "top_p": params.top_p, "max_tokens": params.max_tokens,
                         "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty}
         if params.stop:
@@ -166,8 +167,17 @@ class RemoteEngine:
         if params.logit_bias:   # OpenAI's range is [-100, 100]; -100 bans a token
             fields["logit_bias"] = {str(t): (-100.0 if b == -math.inf else max(-100.0, min(100.0, b)))
                                     for t, b in params.logit_bias}
-        fields["extra_body"] = {"top_k": params.top_k, "min_p": params.min_p,
-                                "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n}
+        extra = {"top_k": params.top_k, "min_p": params.min_p,
+                 "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.repeat_last_n}
+        schema = getattr(params, "json_schema", None)
+        if schema:     # OpenAI's structured output; the server constrains its decoding
+            import json
+            fields["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": json.loads(schema)}}
+        grammar = getattr(params, "grammar", None)
+        if grammar:    # GBNF: llama-server's and llama-cpp-python's `grammar` field
+            extra["grammar"] = grammar
+        fields["extra_body"] = extra
         return fields
 
     def generate(self, prompt, params: SamplingParams, cancel: threading.Event | None = None,

@@ -382,3 +382,17 @@ async def test_chat_against_kvchat_serve(kvchat_server, tmp_path):
             assert "TTFT" in status and f"/{SERVE_CTX}" in status and "prompt n/a" not in status
     finally:
         engine.close()
+
+
+def test_json_schema_and_grammar_go_to_the_server(kvchat_server, server):
+    """--json-schema becomes OpenAI's response_format (kvchat serve constrains its decoding with
+    it); --grammar llama-server's `grammar` field (llama-cpp-python's server reads it too)."""
+    schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+    out = run_kvchat("run", *served(kvchat_server), "--temperature", "0", "-n", "40", "--json-schema", schema,
+                     "What is the capital of France? Reply in JSON.")
+    assert out.returncode == 0, out.stderr.decode()
+    assert isinstance(json.loads(out.stdout)["city"], str)
+    out = run_kvchat("run", *remote(server), "--temperature", "0", "-n", "10", "--grammar", 'root ::= "yes" | "no"',
+                     "--json", "Is Paris in France?")
+    assert out.returncode == 0, out.stderr.decode()
+    assert json.loads(out.stdout)["text"] in ("yes", "no")
