@@ -218,6 +218,35 @@ def bench_speculative(engine, reps: int, n_gen: int, draft_n: int | None = None,
     return out
 
 
+JSON_PROMPT = ('List ten classic novels as JSON, in the form {"books": [{"title": "...", "author": "...", '
+               '"year": 1900}, ...]}.')
+JSON_SCHEMA = {"type": "object", "required": ["books"], "properties": {"books": {"type": "array", "items": {
+    "type": "object", "required": ["title", "author", "year"], "additionalProperties": False,
+    "properties": {"title": {"type": "string"}, "author": {"type": "string"}, "year": {"type": "integer"}}}}}}
+
+
+def bench_json_schema(engine, reps: int, n_gen: int) -> dict:
+    """Decode t/s on one prompt (greedy, up to n_gen tokens) without and with a JSON schema, rounds
+    interleaved in alternating order: what masking the logits every step (core.constrained) costs.
+    A schema run that completes must be JSON."""
+    plain = SamplingParams(temperature=0, max_tokens=n_gen)
+    schema = SamplingParams(temperature=0, max_tokens=n_gen, json_schema=json.dumps(JSON_SCHEMA))
+    ids = engine.prompt_ids(JSON_PROMPT, chat=engine.has_chat_template)
+    list(engine.generate(ids, SamplingParams(temperature=0, max_tokens=2, json_schema=schema.json_schema)))  # warm-up
+    speed = {"plain": [], "schema": []}
+    tokens = {"plain": 0, "schema": 0}
+    for rep in range(reps):
+        runs = [("plain", plain), ("schema", schema)]
+        for name, params in (runs if rep % 2 == 0 else runs[::-1]):     # neither always runs first
+            text = "".join(e.text for e in engine.generate(ids, params))
+            speed[name].append(engine.backend.timings.predicted_per_second)
+            tokens[name] += engine.backend.timings.predicted_n
+            if name == "schema" and engine.backend.finish_reason == "stop":
+                json.loads(text)
+    return {"plain_t_s": statistics.fmean(speed["plain"]), "schema_t_s": statistics.fmean(speed["schema"]),
+            "plain_tokens": tokens["plain"] / reps, "schema_tokens": tokens["schema"] / reps}
+
+
 BATCH_TOPICS = ["the sea", "a lighthouse", "binary search", "autumn", "a robot", "coffee", "the moon", "trains",
                 "recursion", "a garden", "winter", "a library", "bees", "mountains", "rain", "a clock"]
 BATCH_TASKS = ["Write a short poem about {}.", "Explain {} to a child."]
@@ -348,6 +377,12 @@ def cmd_bench_modes(args, engines) -> int:
                           f"{100 * r[f'{method}_acceptance']:.0f}% (same tokens)")
             if args.json:
                 print(json.dumps({"backend": name, "test": "speculative", **{k: round(v, 3) for k, v in r.items()}}))
+        if args.json_schema:
+            r = bench_json_schema(engine, args.repetitions, args.n_gen)
+            print(f"{name:<10} json schema: {r['schema_t_s']:.1f} t/s vs plain {r['plain_t_s']:.1f} t/s "
+                  f"= {r['schema_t_s'] / r['plain_t_s']:.2f}x ({r['schema_tokens']:.0f} and {r['plain_tokens']:.0f} tokens a run)")
+            if args.json:
+                print(json.dumps({"backend": name, "test": "json_schema", **{k: round(v, 3) for k, v in r.items()}}))
     return 0
 
 
@@ -356,8 +391,10 @@ def cmd_bench(args) -> int:
     if args.resume:
         from app.bench_resume import cmd_bench_resume
         return cmd_bench_resume(args)
-    modes = bool(args.batch or args.multiturn or args.speculative)     # the peer times pp/tg/TTFT only
+    modes = bool(args.batch or args.multiturn or args.speculative or args.json_schema)   # the peer: pp/tg/TTFT only
     default = ["native", "llama.cpp" if modes else PEER] + (["torch"] if args.device == "cuda" or cuda_available() else [])
+    if args.json_schema and not (args.multiturn or args.speculative):
+        default = ["native"]                  # the mask's cost is the engine's own: one backend shows it
     names = [b.strip() for b in (args.backend or ",".join(default)).split(",") if b.strip()]
     for name in names:
         if name not in BACKEND_NAMES + (PEER,) or name == "auto":
@@ -395,7 +432,7 @@ def cmd_bench(args) -> int:
         engines[name] = load_engine(args, model)
     if args.batch:
         return cmd_bench_batch(args, engines)
-    if args.multiturn or args.speculative:
+    if args.multiturn or args.speculative or args.json_schema:
         return cmd_bench_modes(args, engines)
     gguf = open_model(registry.resolve(model))
     tokenizer = next(iter(engines.values())).tokenizer if engines else Tokenizer.from_gguf(gguf)

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --speculative: also time this draft model (e.g. qwen2.5-coder-0.5b-instruct)")
     bench.add_argument("--draft-n", type=int, default=None,
                        help="with --speculative: most draft tokens per check (default: 7)")
+    bench.add_argument("--json-schema", action="store_true",
+                       help="decode speed with a JSON schema (constrained decoding) vs without, same prompt, "
+                            "native backend")
     bench.add_argument("--batch", type=int, default=0, metavar="N",
                        help="N prompts x up to -n tokens (greedy): continuous batching (native) vs each backend "
                             "one prompt at a time, in-process; batched tokens must equal one-by-one tokens")

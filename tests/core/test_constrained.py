@@ -152,3 +152,10 @@ def test_kvchat_run_refuses_a_bad_constraint(flag, value, message):
     out = run_kvchat("run", flag, value, "hello")
     err = out.stderr.decode().strip()
     assert out.returncode == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_json_schema_times_both_runs(native):
+    from app.bench import bench_json_schema
+    r = bench_json_schema(native, 1, 12)
+    assert r["plain_t_s"] > 0 and r["schema_t_s"] > 0
+    assert r["plain_tokens"] == r["schema_tokens"] == 12      # the same length of decoding, timed
