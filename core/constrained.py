@@ -77,6 +77,26 @@ def check(params: "SamplingParams") -> None:
         _compile(params.json_schema, params.grammar)
 
 
+def schema_from_response_format(response_format) -> str | None:
+    """An OpenAI request's `response_format` as SamplingParams.json_schema (for the server):
+    {"type": "json_schema", "json_schema": {"schema": {...}}} is that schema, {"type": "json_object"}
+    any JSON object, {"type": "text"} or none no constraint. BadInputError for anything else."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, (dict, bool)):
+            return json.dumps(schema)
+        raise BadInputError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+    raise BadInputError("response_format type must be text, json_object or json_schema")
+
+
 def ll_tokenizer(tokenizer: "Tokenizer"):
     """llguidance's view of our vocabulary: every token's bytes (control tokens marked with a 0xFF
     prefix, as llguidance expects, so no grammar text can spell them) and our end-of-generation

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from core.batch import BatchRequest, BatchScheduler
+from core.constrained import schema_from_response_format
 from core.engine import Engine
 from core.types import SamplingParams, SpeculativeConfig
 from models.errors import BadInputError
@@ -130,6 +131,16 @@ def test_a_bad_schema_or_grammar_is_refused():
         SamplingParams(grammar="root ::= missing").validate()
     with pytest.raises(BadInputError, match="not both"):
         SamplingParams(json_schema="{}", grammar='root ::= "a"').validate()
+
+
+def test_openai_response_format_maps_to_a_schema():
+    assert schema_from_response_format(None) is None and schema_from_response_format({"type": "text"}) is None
+    assert json.loads(schema_from_response_format({"type": "json_object"})) == {"type": "object"}
+    rf = {"type": "json_schema", "json_schema": {"name": "shirt", "strict": True, "schema": ENUMS}}
+    assert json.loads(schema_from_response_format(rf)) == ENUMS
+    for bad in ({"type": "json_schema"}, {"type": "yaml"}, "json"):
+        with pytest.raises(BadInputError, match="response_format"):
+            schema_from_response_format(bad)
 
 
 def test_kvchat_run_json_schema(tmp_path, qwen_path):
