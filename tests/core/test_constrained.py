@@ -79,6 +79,18 @@ def test_gbnf_grammar(native):
     assert reason == "stop" and re.fullmatch(r"The answer is (yes|no)\.[0-9]{0,2}", text), text
 
 
+def test_banned_strings_back_off_inside_the_grammar(native):
+    """A banned string's back-off rolls the grammar back too: the reply avoids the string and still
+    validates (greedy picks "blue" here without the ban)."""
+    params = SamplingParams(temperature=0, max_tokens=60, json_schema=json.dumps(ENUMS))
+    text, _ = run(native, SCHEMAS["enums"][1], params)
+    assert "blue" in text
+    text, reason = run(native, SCHEMAS["enums"][1], SamplingParams(temperature=0, max_tokens=60, banned=("blue",),
+                                                                   json_schema=json.dumps(ENUMS)))
+    assert reason == "stop" and "blue" not in text
+    valid(text, ENUMS)
+
+
 def test_speculative_lookup_with_a_schema_keeps_the_greedy_output(native):
     """Drafts are cut where the grammar disallows them and verified against masked logits: greedy
     output is token for token the plain constrained output, and it validates."""
