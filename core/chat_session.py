@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -80,6 +80,9 @@ class ChatSession:
         self.history = history
         self.conversation_id: int | None = None
         self.params = SamplingParams()               # settings for the next new chat (the last ones used)
+        # `kvchat chat --json-schema/--grammar`: every reply of this session follows it, whichever
+        # conversation is open (not a stored setting: core.types keeps it off the settings screen)
+        self.output_format: dict = {}
         self.new_chat_system_prompt = ""
         self.editing_message_id: int | None = None
 
@@ -177,7 +180,7 @@ class ChatSession:
     def begin_reply(self, engine) -> Reply:
         """Prompt, settings and a history row for the next reply. BadInputError if it cannot run."""
         ids, truncated = self.prompt(engine)
-        params = self.params.validate()
+        params = replace(self.params, **self.output_format).validate()
         self.history.update_conversation(self.conversation_id, model=engine.model_name)
         return Reply(self.history.start_reply(self.conversation_id, engine.model_name), ids, params, truncated)
 

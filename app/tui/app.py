@@ -73,7 +73,7 @@ class KvChatApp(ChatActions, App):
 
     def __init__(self, model: str | None = None, backend: str | None = None, n_ctx: int | None = None,
                  threads: int | None = None, engine=None, db_path=None, speculative=None, device: str = "auto",
-                 kv_disk: dict | None = None, remote: dict | None = None):
+                 kv_disk: dict | None = None, remote: dict | None = None, output_format: dict | None = None):
         super().__init__()
         from core.engine import DEFAULT_CTX
         from models.registry import DEFAULT_MODEL
@@ -87,6 +87,7 @@ class KvChatApp(ChatActions, App):
         self.engine = engine
         self.owns_engine = False                   # an engine handed in belongs to the caller
         self.session = ChatSession(History(db_path))
+        self.session.output_format = output_format or {}   # --json-schema / --grammar: every reply
         self.history = self.session.history
         self.generating = False
         self.generated_once = False                # live numbers appear after this app's first reply
@@ -394,12 +395,14 @@ class KvChatApp(ChatActions, App):
 
 def run_tui(args) -> int:
     """`kvchat chat`: the App opens at once; the model loads in the background with a progress bar."""
-    from app.args import kv_disk_from_args
+    from app.args import kv_disk_from_args, sampling_from_args
     from core.types import SpeculativeConfig
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
+    params = sampling_from_args(args)          # (a bad schema or grammar: one line, before the app opens)
+    output_format = {k: v for k, v in (("json_schema", params.json_schema), ("grammar", params.grammar)) if v}
     from app.cli import remote_args
     app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,
                     speculative=speculative, device=args.device, kv_disk=kv_disk_from_args(args),
-                    remote=remote_args(args) or None)
+                    remote=remote_args(args) or None, output_format=output_format)
     app.run()
     return 0

@@ -85,3 +85,16 @@ def test_a_failing_engine_ends_the_reply_as_an_error_and_keeps_its_text(session,
     last = session.messages()[-1]
     assert (end.status, end.summary) == ("error", "the engine process stopped")
     assert last.status == "error" and last.content == "".join(got)
+
+
+def test_a_chat_started_with_a_schema_replies_in_it(session, engine):
+    """`kvchat chat --json-schema`: every reply follows it, also after a stored conversation's
+    settings (which never hold a schema) are opened."""
+    import json
+    session.output_format = {"json_schema": json.dumps({"enum": ["yes", "no"]})}
+    session.params = SamplingParams(temperature=0, max_tokens=8)
+    session.send("Is the sea salty?", engine.model_name)
+    text, status = _reply(session, engine)
+    assert status == "complete" and json.loads(text) in ("yes", "no")
+    session.open(session.conversation_id)
+    assert session.begin_reply(engine).params.json_schema == session.output_format["json_schema"]
