@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from core.types import SamplingParams
 
 # Whitespace the schema's JSON may have between its tokens: a pretty-printed layout is allowed, an
-# endless run is not (llguidance's default, [ \n\r\t]+, lets a small model pad until max_tokens).
+# endless run is not (under llguidance's default, [ \n\r\t]+, a model that keeps picking whitespace
+# never completes the JSON before max_tokens).
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 
 # One llguidance tokenizer per Tokenizer: building it reads every token's bytes (~0.6 s on a 150k
