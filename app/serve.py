@@ -38,6 +38,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from app.args import BATCH_OPTIONS, sampling_from_json
 from core.batch import BatchResult
+from core.constrained import schema_from_response_format
 from core.live import LiveEngine, QueueFull
 from core.request import check_prompt
 from core.types import SamplingParams
@@ -110,27 +111,11 @@ def sampling_params(body: dict, n_ctx: int) -> SamplingParams:
 
 
 def _response_format(rf: Any, params: SamplingParams) -> SamplingParams:
-    """OpenAI's response_format as constrained decoding (core.constrained, SamplingParams.json_schema):
-    {"type": "json_schema", "json_schema": {"schema": {...}}} follows the schema, {"type": "json_object"}
-    gives a JSON object, {"type": "text"} is unconstrained."""
-    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise _bad("response_format must be an object with a type", "response_format")
-    kind = rf["type"]
-    if kind == "text":
-        return params
-    if kind == "json_object":
-        schema: Any = {"type": "object"}
-    elif kind == "json_schema":
-        spec = rf.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-            raise _bad("response_format.json_schema must be an object with a schema object", "response_format")
-        schema = spec["schema"]
-    else:
-        raise _bad(f"unknown response_format type {kind!r} (text, json_object or json_schema)", "response_format")
-    if "json_schema" not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        raise _bad("response_format needs constrained decoding, which this kvchat lacks", "response_format")
+    """OpenAI's response_format as constrained decoding (core.constrained.schema_from_response_format:
+    a json_schema's schema, any object for json_object, nothing for text)."""
     try:
-        return dataclasses.replace(params, json_schema=json.dumps(schema)).validate()
+        schema = schema_from_response_format(rf)
+        return params if schema is None else dataclasses.replace(params, json_schema=schema).validate()
     except BadInputError as e:
         raise _bad(str(e), "response_format") from None
 
