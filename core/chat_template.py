@@ -52,3 +52,16 @@ class ChatTemplate:
 def _one_line(e: Exception) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
+
+
+def transcript(messages: Sequence[dict]) -> str:
+    """A conversation as plain text, for a model without a chat template: messages joined by blank
+    lines, except that a reply continues the text before it, as the model wrote it (so the next
+    turn's prompt starts with what the KV cache already holds, reply included)."""
+    parts: list[str] = []
+    for m in messages:
+        if m["content"]:
+            if parts and m["role"] != "assistant":
+                parts.append("\n\n")
+            parts.append(m["content"])
+    return "".join(parts)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 from core.backend import Backend
 from core.types import SamplingParams, SpeculativeConfig, TokenEvent
-from core.chat_template import ChatTemplate
+from core.chat_template import ChatTemplate, transcript
 from core.tokenizer import Tokenizer
 from models import registry
 from models.errors import BadInputError
@@ -213,13 +213,7 @@ class Engine:
             bos_text = tok.tokens[tok.bos_id] if tok.bos_id is not None else None
             add_bos = tok.add_bos and not (bos_text and text.startswith(bos_text))
             return tok.encode(text, add_bos=add_bos, special=True)
-        parts: list[str] = []
-        for m in msgs:
-            if m["content"]:
-                if parts and m["role"] != "assistant":
-                    parts.append("\n\n")
-                parts.append(m["content"])
-        return tok.encode("".join(parts), add_bos=tok.add_bos, special=False)
+        return tok.encode(transcript(msgs), add_bos=tok.add_bos, special=False)
 
     def count_tokens(self, text: str) -> int:
         """How many tokens a text is on its own (no BOS; special tokens' text as plain text): what

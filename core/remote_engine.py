@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Iterator, Sequence
 
+from core.chat_template import transcript
 from core.backend import Capabilities, Described
 from core.types import LiveStats, SamplingParams, SpeculativeConfig, Timings, TokenEvent
 from models.errors import BadInputError
@@ -142,13 +143,7 @@ class RemoteEngine:
         msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
         if chat:
             return [{"role": m["role"], "content": m["content"]} for m in msgs]
-        parts: list[str] = []
-        for m in msgs:
-            if m["content"]:
-                if parts and m["role"] != "assistant":
-                    parts.append("\n\n")
-                parts.append(m["content"])
-        return "".join(parts)
+        return transcript(msgs)
 
     def count_tokens(self, text: str) -> int:
         """An estimate (about 4 bytes a token): the server's tokenizer is not here."""
