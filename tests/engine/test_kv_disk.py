@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,6 +191,27 @@ def test_a_folder_that_cannot_be_written_turns_the_cache_off_with_one_warning(ti
     assert backend.reuse_prefix(PROMPT) == 0
     backend.extend(PROMPT)
     assert backend.persist() == 0
+
+
+def test_a_read_only_cache_folder_turns_the_cache_off_and_the_run_goes_on(tiny_model, tmp_path, monkeypatch):
+    """Read-only for this process: a folder without write permission, or, for root (whom permissions
+    do not stop; CI runs as root), a folder on a file system that takes no new entries (/proc)."""
+    if os.geteuid() != 0:
+        root = tmp_path / "kv"
+        root.mkdir()
+        root.chmod(0o500)
+    else:
+        root = Path("/proc/kvchat-kv")
+    monkeypatch.setenv("KVCHAT_KV_DIR", str(root))
+    warnings: list[str] = []
+    g, tok = tiny_model("qwen2", "Q4_K")
+    backend = NativeBackend(g, tok, 128)
+    backend.attach_disk(g.path, warn=warnings.append)
+    assert len(warnings) == 1 and "disk KV cache is off" in warnings[0]
+    cold = backend.extend(PROMPT)
+    assert backend.persist() == 0
+    backend.reset()
+    assert backend.reuse_prefix(PROMPT) == 0 and np.array_equal(backend.extend(PROMPT), cold)
 
 
 def test_a_write_failure_mid_run_turns_the_cache_off_once(tmp_path):
