@@ -354,8 +354,8 @@ class KvChatApp(ChatActions, App):
         self.loading_model = None
         self.model_spec = self.engine.model_name
         self.query_one("#model-loading").display = False
-        if old is not None and old is not self.engine:
-            old.close()
+        if old is not None and old is not self.engine and self.owns_engine:
+            old.close()                          # (an engine handed in belongs to the caller)
         self.owns_engine = True
         if not self.engine.has_chat_template:
             self.notify(f"{self.engine.model_name} has no chat template: plain completion of the conversation")

@@ -197,6 +197,8 @@ async def test_a_file_the_engine_lacks_runs_on_llamacpp_and_the_app_says_so(engi
         assert note.severity == "warning" and "using llama.cpp" in note.message
         assert app.engine.backend_name == "llama.cpp"
         assert "llama.cpp on cpu" in str(app.query_one("#status").render())
+    # the engine handed in is the caller's: switching models did not close it
+    assert len(list(engine.generate(engine.prompt_ids("Hi", chat=False), SamplingParams(max_tokens=2)))) >= 1
 
 
 async def test_bad_setting_is_refused_in_place(engine, tmp_path):
