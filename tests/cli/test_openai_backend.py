@@ -84,8 +84,8 @@ def own_server(qwen_path):
         stop(proc)
 
 
-def remote(url: str) -> list[str]:
-    return ["--backend", "openai", "--base-url", url, "-m", ALIAS, "--api-key", KEY]
+def remote(url: str, model: str = ALIAS) -> list[str]:
+    return ["--backend", "openai", "--base-url", url, "-m", model, "--api-key", KEY]
 
 
 def test_run_json_gives_text_and_timings(server):
@@ -321,26 +321,22 @@ def kvchat_server(qwen_path):
         stop(proc)
 
 
-def served(url: str) -> list[str]:
-    return ["--backend", "openai", "--base-url", url, "-m", SERVE_MODEL, "--api-key", KEY]
-
-
 def test_run_against_kvchat_serve_reads_its_timings(kvchat_server):
-    out = run_kvchat("run", *served(kvchat_server), "--temperature", "0", "-n", "16", "--json",
+    out = run_kvchat("run", *remote(kvchat_server, SERVE_MODEL), "--temperature", "0", "-n", "16", "--json",
                      "What is the capital of France? Answer in one word.")
     assert out.returncode == 0, out.stderr.decode()
     result = json.loads(out.stdout)
     assert "Paris" in result["text"] and result["finish_reason"] in ("stop", "length")
     t = result["timings"]
     assert t["prompt_n"] > 10 and t["prompt_ms"] > 0 and t["predicted_n"] >= 1   # the server's own timings
-    plain = run_kvchat("run", *served(kvchat_server), "--temperature", "0", "-n", "16",
+    plain = run_kvchat("run", *remote(kvchat_server, SERVE_MODEL), "--temperature", "0", "-n", "16",
                        "What is the capital of France? Answer in one word.")
     assert plain.returncode == 0 and plain.stdout.decode().rstrip("\n") == result["text"]
     # the same prompt again: the server's prefix cache shows in its timings (computed + cached = the prompt)
     m = re.search(r"prompt (\d+) tok, [\d.]+ tok/s \(cached (\d+)\)", plain.stderr.decode())
     assert m and int(m[1]) + int(m[2]) == t["prompt_n"] + t["cache_n"] and int(m[2]) > 0, plain.stderr.decode()
     # its refusal of a prompt over its context is one line with its words
-    too_long = run_kvchat("run", *served(kvchat_server), "-n", "4", "-", input=("hello world " * 600).encode())
+    too_long = run_kvchat("run", *remote(kvchat_server, SERVE_MODEL), "-n", "4", "-", input=("hello world " * 600).encode())
     assert too_long.returncode == 2
     line = one_error_line(too_long)
     assert "400" in line and f"{SERVE_CTX}" in line and kvchat_server in line
@@ -350,7 +346,7 @@ def test_batch_against_kvchat_serve(kvchat_server, tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"What is {i} + {i}? Answer with a number."}) + "\n"
                            for i in (1, 2, 3)))
-    out = run_kvchat("batch", str(src), "-o", str(dst), *served(kvchat_server), "--temperature", "0", "-n", "8",
+    out = run_kvchat("batch", str(src), "-o", str(dst), *remote(kvchat_server, SERVE_MODEL), "--temperature", "0", "-n", "8",
                      "--parallel", "3")
     assert out.returncode == 0, out.stderr.decode()
     records = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
@@ -388,7 +384,7 @@ def test_json_schema_and_grammar_go_to_the_server(kvchat_server, server):
     """--json-schema becomes OpenAI's response_format (kvchat serve constrains its decoding with
     it); --grammar llama-server's `grammar` field (llama-cpp-python's server reads it too)."""
     schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
-    out = run_kvchat("run", *served(kvchat_server), "--temperature", "0", "-n", "40", "--json-schema", schema,
+    out = run_kvchat("run", *remote(kvchat_server, SERVE_MODEL), "--temperature", "0", "-n", "40", "--json-schema", schema,
                      "What is the capital of France? Reply in JSON.")
     assert out.returncode == 0, out.stderr.decode()
     assert isinstance(json.loads(out.stdout)["city"], str)

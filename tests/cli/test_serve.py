@@ -1,6 +1,5 @@
 """`kvchat serve` driven as a client would: the server in a subprocess, the official openai client
 (and raw HTTP for what the client cannot send: bad JSON, an oversized body)."""
-import dataclasses
 import json
 import os
 import signal
@@ -16,7 +15,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from core.types import SamplingParams
 from tests.conftest import run_kvchat
 
 pytestmark = pytest.mark.real_model   # drives kvchat in subprocesses
@@ -231,8 +229,6 @@ def test_bad_requests_get_openai_error_objects(server, client):
     assert resp.choices[0].text
 
 
-@pytest.mark.skipif("json_schema" not in {f.name for f in dataclasses.fields(SamplingParams)},
-                    reason="constrained decoding (SamplingParams.json_schema) is not in this tree yet")
 def test_response_format_constrains_the_output_to_json(server, client):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}

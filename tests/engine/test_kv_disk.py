@@ -179,25 +179,16 @@ def test_a_damaged_block_is_computed_again_with_the_same_bits(tiny_model, kv_roo
     assert np.array_equal(ours, reference)
 
 
-def test_a_folder_that_cannot_be_written_turns_the_cache_off_with_one_warning(tiny_model, tmp_path, monkeypatch):
-    blocked = tmp_path / "not-a-folder"
-    blocked.write_text("a file where the cache folder should be")
-    monkeypatch.setenv("KVCHAT_KV_DIR", str(blocked))
-    warnings: list[str] = []
-    g, tok = tiny_model("qwen2", "Q4_K")
-    backend = NativeBackend(g, tok, 128)
-    backend.attach_disk(g.path, warn=warnings.append)
-    assert len(warnings) == 1 and "disk KV cache is off" in warnings[0]
-    assert backend.reuse_prefix(PROMPT) == 0
-    backend.extend(PROMPT)
-    assert backend.persist() == 0
-
-
-def test_a_read_only_cache_folder_turns_the_cache_off_and_the_run_goes_on(tiny_model, tmp_path, monkeypatch):
-    """Read-only for this process: a folder without write permission, or, for root (whom permissions
-    do not stop; CI runs as root), a folder on a file system that takes no new entries (/proc)."""
-    if os.geteuid() != 0:
-        root = tmp_path / "kv"
+@pytest.mark.parametrize("folder", ["a file", "read-only"])
+def test_a_cache_folder_that_cannot_be_written_turns_the_cache_off_and_the_run_goes_on(
+        tiny_model, tmp_path, monkeypatch, folder):
+    """A file where the folder should be, or a folder read-only for this process: without write
+    permission, or, for root (whom permissions do not stop; CI runs as root), on a file system that
+    takes no new entries (/proc)."""
+    root = tmp_path / "kv"
+    if folder == "a file":
+        root.write_text("a file where the cache folder should be")
+    elif os.geteuid() != 0:
         root.mkdir()
         root.chmod(0o500)
     else:
@@ -208,6 +199,7 @@ def test_a_read_only_cache_folder_turns_the_cache_off_and_the_run_goes_on(tiny_m
     backend = NativeBackend(g, tok, 128)
     backend.attach_disk(g.path, warn=warnings.append)
     assert len(warnings) == 1 and "disk KV cache is off" in warnings[0]
+    assert backend.reuse_prefix(PROMPT) == 0
     cold = backend.extend(PROMPT)
     assert backend.persist() == 0
     backend.reset()
