@@ -15,6 +15,8 @@ from models.errors import BadInputError
 OPTIONS = [f for f in dataclasses.fields(SamplingParams)]
 BATCH_OPTIONS = [f for f in OPTIONS if f.metadata["in_batch"]]
 SETTINGS_OPTIONS = [f for f in OPTIONS if f.name in SamplingParams().settings()]   # one value each: a text field
+# what `kvchat chat` takes on its command line (its sampling comes from each chat's settings)
+FORMAT_OPTIONS = [f for f in OPTIONS if f.name in ("json_schema", "grammar")]
 
 
 def flags(f: dataclasses.Field) -> list[str]:
@@ -32,8 +34,8 @@ def label(f: dataclasses.Field) -> str:
     return human(f) + (f" ({hint})" if hint else "")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    for f in OPTIONS:
+def add_sampling_args(p: argparse.ArgumentParser, options: list[dataclasses.Field] = OPTIONS) -> None:
+    for f in options:
         m = f.metadata
         if m["repeat"]:
             p.add_argument(*flags(f), dest=f.name, action="append", default=[], metavar=m["metavar"], help=m["help"])
@@ -54,9 +56,10 @@ def _logit_bias(item: str) -> tuple[int, float]:
         raise BadInputError(f"--logit-bias wants ID=BIAS, got {item!r}") from None
 
 
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+def sampling_from_args(args: argparse.Namespace, options: list[dataclasses.Field] = OPTIONS) -> SamplingParams:
+    """SamplingParams from the flags of `options` (the other fields keep their defaults)."""
     values = {}
-    for f in OPTIONS:
+    for f in options:
         v = getattr(args, f.name)
         if f.name == "logit_bias":
             v = [_logit_bias(item) for item in v]

@@ -15,7 +15,7 @@ from core.paths import use_numba_cache
 use_numba_cache()  # before anything imports numba
 
 from models.errors import BadInputError  # noqa: E402
-from app.args import (add_kv_disk_args, add_sampling_args, kv_disk_from_args, sampling_from_args,  # noqa: E402
+from app.args import (FORMAT_OPTIONS, add_kv_disk_args, add_sampling_args, kv_disk_from_args, sampling_from_args,  # noqa: E402
                       set_default_sampling_args, size_arg)
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the chat (the default when no command is given)")
     _add_model_args(chat)
     _add_speculative_args(chat)
+    add_sampling_args(chat, FORMAT_OPTIONS)     # --json-schema / --grammar for every reply of the session
 
     run = sub.add_parser("run", help="one-shot generation; text streams to stdout")
     run.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' or absent reads stdin (when not a TTY)")

@@ -395,10 +395,10 @@ class KvChatApp(ChatActions, App):
 
 def run_tui(args) -> int:
     """`kvchat chat`: the App opens at once; the model loads in the background with a progress bar."""
-    from app.args import kv_disk_from_args, sampling_from_args
+    from app.args import FORMAT_OPTIONS, kv_disk_from_args, sampling_from_args
     from core.types import SpeculativeConfig
     speculative = SpeculativeConfig(args.speculative, args.draft_n, args.draft_model).validate()
-    params = sampling_from_args(args)          # (a bad schema or grammar: one line, before the app opens)
+    params = sampling_from_args(args, FORMAT_OPTIONS)   # (a bad schema or grammar: one line, before the app opens)
     output_format = {k: v for k, v in (("json_schema", params.json_schema), ("grammar", params.grammar)) if v}
     from app.cli import remote_args
     app = KvChatApp(model=args.model, backend=args.backend, n_ctx=args.ctx, threads=args.threads,

@@ -2,6 +2,7 @@
 the settings screen's fields all cover them, and each refuses what it cannot take."""
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -71,3 +72,15 @@ def test_settings_screen_fields_are_the_single_valued_options():
     assert sampling_from_text(texts, SamplingParams()) == SamplingParams()          # empty seed: None
     with pytest.raises(BadInputError, match="repeat-last-n: 'x' is not an integer"):
         sampling_from_text(texts | {"repeat_last_n": "x"}, SamplingParams())
+
+
+def test_the_chat_command_line_gives_the_session_its_output_format():
+    """`kvchat chat` takes --json-schema / --grammar (its sampling is each chat's settings): what
+    run_tui reads from it, with and without them."""
+    from app.args import FORMAT_OPTIONS
+    from app.cli import build_parser
+    assert sampling_from_args(build_parser().parse_args(["chat"]), FORMAT_OPTIONS) == SamplingParams()
+    args = build_parser().parse_args(["chat", "--json-schema", '{"type": "object"}'])
+    assert json.loads(sampling_from_args(args, FORMAT_OPTIONS).json_schema) == {"type": "object"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--temperature", "0"])
