@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.cpu.libm import rope_theta_scale
-from kernels.types import Q4_K, Q5_K, Q6_K
+from kernels.types import IQ4_NL, IQ4_NL_VALUES, Q4_K, Q5_K, Q6_K
 
 
 def dequantize_ref(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
@@ -115,7 +115,8 @@ def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0, softcap:
     return out.astype(np.float32)
 
 
-_K_QUANT_F16_FIELDS = {Q4_K: (0, 4), Q5_K: (0, 4), Q6_K: (208, 210)}  # Q4_K d+dmin, Q5_K d+dmin, Q6_K d
+# types gguf-py cannot quantize: random blocks with these f16 fields (Q4_K d+dmin, Q5_K d+dmin, Q6_K d, IQ4_NL d)
+_K_QUANT_F16_FIELDS = {Q4_K: (0, 4), Q5_K: (0, 4), Q6_K: (208, 210), IQ4_NL: (0, 2)}
 
 
 # --- llama.cpp's AVX2 arithmetic, float operation for float operation --------------------------
@@ -235,15 +236,18 @@ def attention_llama_ref(q, k, v, q_start: int, scale: float, window: int = 0, ba
 
 
 def quantize_q8_0_ref(x):
-    """quantize_row_q8_0 (AVX2): per 32 d = f16(amax / 127), q = rint(x * float32(127 / amax))."""
+    """quantize_row_q8_0 (AVX2): per 32 d = f16(amax / 127), q = rint(x * float32(127 / amax));
+    and quantize_row_q8_1's s = f16(d * float(sum q)) with d before its f16 rounding."""
     x = np.asarray(x, np.float32)
     xb = x.reshape(x.shape[0], -1, 32)
     amax = np.abs(xb).max(-1, keepdims=True)
     with np.errstate(divide="ignore"):
         idv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.rint((xb * idv).astype(np.float32)).astype(np.int8)
-    d = (amax[..., 0] / np.float32(127)).astype(np.float16).astype(np.float32)
-    return q.reshape(x.shape), d
+    d32 = (amax[..., 0] / np.float32(127)).astype(np.float32)
+    with np.errstate(over="ignore"):                  # beyond f16: inf, as llama.cpp's conversion gives
+        s = (d32 * q.astype(np.int32).sum(-1).astype(np.float32)).astype(np.float16).astype(np.float32)
+    return q.reshape(x.shape), d32.astype(np.float16).astype(np.float32), s
 
 
 def quantize_q8_k_ref(x):
@@ -277,6 +281,36 @@ def unpack_q5_0(raw, K):
     return _f16(k[..., :2]), ((q | (bits << 4)) - 16).reshape(-1, K)
 
 
+def unpack_q4_0(raw, K):
+    """GGUF Q4_0 rows -> (d (N, nb), values q - 8 (N, K) int)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 32, 18)
+    q = np.concatenate([(k[..., 2:18] & 15), (k[..., 2:18] >> 4)], -1).astype(np.int32)
+    return _f16(k[..., :2]), (q - 8).reshape(-1, K)
+
+
+def unpack_q4_1(raw, K):
+    """GGUF Q4_1 rows -> (d, m (N, nb), values q (N, K) int, unsigned)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 32, 20)
+    q = np.concatenate([(k[..., 4:20] & 15), (k[..., 4:20] >> 4)], -1).astype(np.int32)
+    return _f16(k[..., 0:2]), _f16(k[..., 2:4]), q.reshape(-1, K)
+
+
+def unpack_q5_1(raw, K):
+    """GGUF Q5_1 rows -> (d, m (N, nb), values q (N, K) int, unsigned)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 32, 24)
+    qh = np.ascontiguousarray(k[..., 4:8]).view("<u4")[..., 0]
+    q = np.concatenate([(k[..., 8:24] & 15), (k[..., 8:24] >> 4)], -1).astype(np.int32)
+    bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32)
+    return _f16(k[..., 0:2]), _f16(k[..., 2:4]), (q | (bits << 4)).reshape(-1, K)
+
+
+def unpack_iq4_nl(raw, K):
+    """GGUF IQ4_NL rows -> (d (N, nb), levels (N, K) int)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 32, 18)
+    q = np.concatenate([(k[..., 2:18] & 15), (k[..., 2:18] >> 4)], -1)
+    return _f16(k[..., :2]), IQ4_NL_VALUES.astype(np.int32)[q].reshape(-1, K)
+
+
 def unpack_q4_k(raw, K):
     """GGUF Q4_K rows -> d, dmin (N, nb), q (N, nb, 256) 0..15, sc, mn (N, nb, 8)."""
     k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 144)
@@ -286,6 +320,19 @@ def unpack_q4_k(raw, K):
     qs = k[..., 16:144].reshape(k.shape[0], K // 256, 4, 32).astype(np.int32)
     q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(k.shape[0], K // 256, 256)
     return _f16(k[..., 0:2]), _f16(k[..., 2:4]), q, sc, mn
+
+
+def unpack_q5_k(raw, K):
+    """GGUF Q5_K rows -> d, dmin (N, nb), q (N, nb, 256) 0..31, sc, mn (N, nb, 8)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 176)
+    s = k[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = k[..., 48:176].reshape(k.shape[0], K // 256, 4, 32).astype(np.int32)
+    qh = k[..., 16:48].astype(np.int32)                                              # (N, nb, 32)
+    hi = (qh[..., None, :] >> np.arange(8)[:, None]) & 1                              # (N, nb, 8, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=-2).reshape(k.shape[0], K // 256, 8, 32) | (hi << 4)
+    return _f16(k[..., 0:2]), _f16(k[..., 2:4]), q.reshape(k.shape[0], K // 256, 256), sc, mn
 
 
 def unpack_q6_k(raw, K):
@@ -315,6 +362,32 @@ def matmul_q0_ref(d_w, w, d_x, xq):
     for b in range(nb):
         acc = fma32(d[:, :, b, None], isum[:, :, b].astype(np.float32), acc)
     return hsum8_ref(acc)
+
+
+def matmul_q1_ref(d_w, m_w, w, d_x, s_x, xq):
+    """Q4_1 / Q5_1 against q8_1 rows (ggml_vec_dot_q*_1_q8_1, AVX2, for every row count): per output
+    8 lanes as matmul_q0_ref with the unsigned values, and summs = fma(m_w, s_x, summs) per block;
+    result hsum_float_8 + summs. (M, K) x (N, K) -> (M, N)."""
+    M, K = xq.shape
+    N, nb = w.shape[0], K // 32
+    summs = np.zeros((M, N), np.float32)
+    for b in range(nb):
+        summs = fma32(np.broadcast_to(m_w[None, :, b], (M, N)), np.broadcast_to(s_x[:, None, b], (M, N)), summs)
+    return (matmul_q0_ref(d_w, w, d_x, xq) + summs).astype(np.float32)
+
+
+def matmul_q4_0_8x8_ref(d_w, w, d_x, xq):
+    """Q4_0 / IQ4_NL against q8_0 rows, llama.cpp's repacked kernels (ggml_gemv/gemm_q4_0_8x8_q8_0,
+    iq4_nl's; the same numbers): per output acc = fma(float(the block's integer dot), d_w * d_x, acc),
+    block by block. (M, K) x (N, K) -> (M, N)."""
+    M, K = xq.shape
+    N, nb = w.shape[0], K // 32
+    isum = (np.asarray(xq, np.int64)[:, None, :] * np.asarray(w, np.int64)[None]).reshape(M, N, nb, 32).sum(-1)
+    d = (d_w[None] * d_x[:, None, :]).astype(np.float32)
+    acc = np.zeros((M, N), np.float32)
+    for b in range(nb):
+        acc = fma32(isum[:, :, b].astype(np.float32), d[:, :, b], acc)
+    return acc
 
 
 def matmul_q4_k_ref(unpacked, d_x, xq, per_pair: bool):
@@ -363,6 +436,36 @@ def matmul_q6_k_ref(unpacked, d_x, xq, tiled: bool):
             d = (d_x[:, None, b] * d_w[None, :, b]).astype(np.float32)
             acc = fma32(d[..., None], (lane - sub).astype(np.int32).astype(np.float32), acc)
     return acc if tiled else hsum8_ref(acc)
+
+
+def matmul_q5_k_ref(unpacked, d_x, xq, tiled: bool):
+    """Q5_K against q8_K rows. Both kernels take the ints lane l = sum_s sc_s (offsets 4l..4l+3 of
+    sub-block s) and M = sum_s mn_s bsum32_s. vec_dot (ggml_vec_dot_q5_K_q8_K, AVX2): acc =
+    fma(d_x d_w, float(lane), acc), summs = fma(-(d_x dmin_w), float(M), summs) (as the compiler fuses
+    `summs += dmin * M`), result hsum_float_8(acc) + summs. tiled
+    (tiled_run_microtile_avx2<32, true, 0, false>): S = sum of the lanes, res = d_w * float(S), then
+    fnmadd: res = fma(-dmin_w, float(M), res), out = fma(res, d_x, out)."""
+    d_w, dmin_w, q, sc, mn = unpacked
+    M, K = xq.shape
+    N, nb = q.shape[0], K // 256
+    x = np.asarray(xq, np.int64).reshape(M, nb, 256)
+    acc = np.zeros((M, N) if tiled else (M, N, 8), np.float32)
+    summs = np.zeros((M, N), np.float32)
+    for b in range(nb):
+        prod = q[None, :, b, :].astype(np.int64) * x[:, None, b, :] * np.repeat(sc[:, b, :], 32, -1)[None]
+        lane = prod.reshape(M, N, 8, 8, 4).sum(-1).sum(2)                                # (M, N, 8)
+        Mn = (x[:, b, :].reshape(M, 8, 32).sum(-1)[:, None, :] * mn[None, :, b, :]).sum(-1)
+        Mf = Mn.astype(np.int32).astype(np.float32)
+        if tiled:
+            res = (d_w[None, :, b] * lane.sum(-1).astype(np.int32).astype(np.float32)).astype(np.float32)
+            res = fma32(np.broadcast_to(-dmin_w[None, :, b], res.shape), Mf, res)
+            acc = fma32(res, np.broadcast_to(d_x[:, None, b], res.shape), acc)
+        else:
+            d = (d_x[:, None, b] * d_w[None, :, b]).astype(np.float32)
+            acc = fma32(d[..., None], lane.astype(np.int32).astype(np.float32), acc)
+            dm = -(d_x[:, None, b] * dmin_w[None, :, b]).astype(np.float32)
+            summs = fma32(dm, Mf, summs)
+    return acc if tiled else (hsum8_ref(acc) + summs).astype(np.float32)
 
 
 def random_quantized(ggml_type: int, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:

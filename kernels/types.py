@@ -18,8 +18,14 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as _G
 F32, F16, BF16 = int(_G.F32), int(_G.F16), int(_G.BF16)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1 = int(_G.Q4_0), int(_G.Q4_1), int(_G.Q5_0), int(_G.Q5_1), int(_G.Q8_0), int(_G.Q8_1)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = int(_G.Q2_K), int(_G.Q3_K), int(_G.Q4_K), int(_G.Q5_K), int(_G.Q6_K), int(_G.Q8_K)
+IQ4_NL, IQ4_XS = int(_G.IQ4_NL), int(_G.IQ4_XS)
 
-# the activation types of llama.cpp's integer dot products
+# IQ4_NL's (and IQ4_XS's) 16 non-linear levels: a 4-bit index selects one, times the block's scale
+# (ggml-common.h kvalues_iq4nl)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+# the activation types of llama.cpp's integer dot products (q8_0 stands for q8_1 too: the same values,
+# with one more field that kernels.cpu.qdot computes for every q8_0 row)
 ACT_Q8_0, ACT_Q8_K = 0, 1
 
 
@@ -32,6 +38,8 @@ class TypeTraits:
     vec_dot: int | None = None   # ACT_Q8_0 / ACT_Q8_K: llama.cpp's exact integer path; None: float kernels
     x8: bool = False             # exact layout: groups of 8 interleaved rows (a repack, cached on disk);
                                  # False with vec_dot: the GGUF rows themselves
+    rows8: bool = False          # exact only for a multiple of 8 rows: llama.cpp repacks such a matrix
+                                 # (ggml-cpu/repack.cpp) and takes a kernel not reproduced here for others
     supported: bool = False      # the native engine loads it
 
     @property
@@ -47,11 +55,14 @@ class TypeTraits:
         return layout[:-(-n_rows // 8)] if self.x8 else layout[:n_rows]
 
 
-_EXACT = {Q5_0: (ACT_Q8_0, True), Q8_0: (ACT_Q8_0, True), Q4_K: (ACT_Q8_K, True), Q6_K: (ACT_Q8_K, False)}
-_SUPPORTED = {F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K}
+# (activation type, x8 layout, exact only for a multiple of 8 rows)
+_EXACT = {Q5_0: (ACT_Q8_0, True, False), Q8_0: (ACT_Q8_0, True, False), Q4_0: (ACT_Q8_0, True, True),
+          IQ4_NL: (ACT_Q8_0, True, True), Q4_1: (ACT_Q8_0, True, False), Q5_1: (ACT_Q8_0, True, False),
+          Q4_K: (ACT_Q8_K, True, True), Q5_K: (ACT_Q8_K, False, False), Q6_K: (ACT_Q8_K, False, False)}
+_SUPPORTED = {F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL}
 
 TRAITS: dict[int, TypeTraits] = {
-    int(t): TypeTraits(int(t), t.name, int(block), int(size), *_EXACT.get(int(t), (None, False)),
+    int(t): TypeTraits(int(t), t.name, int(block), int(size), *_EXACT.get(int(t), (None, False, False)),
                        supported=int(t) in _SUPPORTED)
     for t, (block, size) in GGML_QUANT_SIZES.items()
 }
@@ -65,7 +76,7 @@ for _t in TRAITS.values():
         ACT_KIND[_t.id] = _t.vec_dot
 
 # the activation llama.cpp's matmul feeds each quantized type (kernels.cpu.activations rounds to it)
-Q8_0_ACTIVATION_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0})
+Q8_0_ACTIVATION_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL})
 Q8_K_ACTIVATION_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
 
 

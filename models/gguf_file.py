@@ -229,7 +229,7 @@ class GGUFFile:
     # --- checks the engines need -----------------------------------------------------------
     def unsupported(self) -> str | None:
         """What of this file kvchat's own engines do not run ("architecture 'phi2'", "tensor type
-        IQ4_NL"), or None when they run all of it. (llama.cpp may still run it: --backend auto.)"""
+        TQ2_0"), or None when they run all of it. (llama.cpp may still run it: --backend auto.)"""
         if self.arch not in ARCHITECTURES:
             return f"architecture '{self.arch}'"
         scaling = self.arch_get("rope.scaling.type") or "none"

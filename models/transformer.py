@@ -21,7 +21,7 @@ from kernels.cpu import fused
 from kernels.cpu.attention import decode_plan, exact_head_dim
 from kernels.cpu.ops import gelu_table, soft_cap_rows
 from kernels.cpu.qdot import EXACT_TYPES, Int8Rows, Q8Buffers, exact_layout, run_arrays
-from kernels.types import Q4_K, TRAITS
+from kernels.types import TRAITS
 from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
                          rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
 from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
@@ -114,7 +114,7 @@ class Weights:
     """Tensors of a memory-mapped GGUF by name: matrices as QMatrix (kept quantized), vectors as float32.
 
     With `cache_dir`, the exact kernels' repacked layouts (8 rows interleaved, qdot) are saved there
-    on the first load and memory-mapped back on later ones; Q6_K is read in place."""
+    on the first load and memory-mapped back on later ones; Q5_K and Q6_K are read in place."""
 
     def __init__(self, g: GGUFFile, cache_dir: Path | None = None):
         self.g = g
@@ -149,7 +149,7 @@ class Weights:
 
     def matrix(self, name: str, build_exact: bool = True) -> QMatrix:
         info, k, n = self._info(name)
-        if not build_exact or info.ggml_type not in REPACKED_TYPES or (info.ggml_type == Q4_K and n % 8):
+        if not build_exact or info.ggml_type not in REPACKED_TYPES or (TRAITS[info.ggml_type].rows8 and n % 8):
             return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=build_exact)
         layout = self._cached_layout(name, lambda: exact_layout(self._data[name], info.ggml_type, n, k))
         return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
@@ -179,7 +179,7 @@ class Weights:
         return self.vector(name) if name in self else None
 
 
-# The exact kernels' layouts that are repacks (worth caching on disk); Q6_K reads the GGUF rows.
+# The exact kernels' layouts that are repacks (worth caching on disk); Q5_K and Q6_K read the GGUF rows.
 REPACKED_TYPES = frozenset(t for t in EXACT_TYPES if TRAITS[t].x8)
 
 

@@ -1,9 +1,9 @@
 """Quantized matrix products: y = x @ W.T with W (N, K) in a GGML block format.
 
 Two families:
-- the exact int8 path (kernels/cpu/qdot/; Q5_0, Q8_0, Q4_K, Q6_K on AVX2 CPUs): x is quantized
+- the exact int8 path (kernels/cpu/qdot/; the types whose kernels.types record is `exact`, on AVX2 CPUs): x is quantized
   as llama.cpp's matmul quantizes it (q8_0 / q8_K) and every output gets llama.cpp's float
-  operations, so the result equals llama.cpp's bit for bit. W stays as the GGUF stores it (Q4_K:
+  operations, so the result equals llama.cpp's bit for bit. W stays as the GGUF stores it (or
   repacked 8 rows at a time, the same bytes); one pass over W serves all rows of x.
 - the float path (every type; exact float32 x): gemv reads every packed block once per call,
   decodes it in registers and dots it with x, rows split across threads, offsets and minimums
@@ -21,9 +21,9 @@ from numba import njit, prange
 from kernels.cpu.ops import serial_twin
 from kernels.cpu import qdot
 from kernels.cpu.qdot import EXACT_TYPES, Int8Rows
-from kernels.types import TRAITS
+from kernels.types import IQ4_NL_VALUES, TRAITS
 from kernels.cpu.quant import (
-    BF16, F16, F16_LUT, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+    BF16, F16, F16_LUT, F32, IQ4_NL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     GGML_BLOCK, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, repack,
 )
 
@@ -122,6 +122,25 @@ def _gemv_q4_0(d, qs, x, sx16, sx32, out):
             for b in range(nb):
                 off += d[r, b] * sx32[b]
             out[r] = tot - np.float32(8.0) * off
+
+
+_IQ4_NL_F32 = IQ4_NL_VALUES.astype(np.float32)
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_iq4_nl(d, qs, x, sx16, sx32, out):
+    """Q4_0's gemv with the non-linear levels read from a 16-entry table (no offset to fold out)."""
+    N, nb = d.shape
+    for r in prange(N):
+        tot = _F0
+        for b in range(nb):
+            q = qs[r, b * 16:b * 16 + 16]
+            xb = x[b * 32:b * 32 + 32]
+            s = _F0
+            for l in range(16):
+                s += _IQ4_NL_F32[q[l] & 15] * xb[l] + _IQ4_NL_F32[q[l] >> 4] * xb[16 + l]
+            tot += d[r, b] * s
+        out[r] = tot
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
@@ -354,7 +373,7 @@ def _gemv_q6_k(d, sc, ql, qh, x, sx16, sx32, out):
 
 _GEMV = {
     F32: _gemv_f32, F16: _gemv_f16, BF16: _gemv_bf16, Q4_0: _gemv_q4_0, Q4_1: _gemv_q4_1, Q5_0: _gemv_q5_0,
-    Q5_1: _gemv_q5_1, Q8_0: _gemv_q8_0, Q4_K: _gemv_q4_k, Q5_K: _gemv_q5_k, Q6_K: _gemv_q6_k,
+    Q5_1: _gemv_q5_1, Q8_0: _gemv_q8_0, Q4_K: _gemv_q4_k, Q5_K: _gemv_q5_k, Q6_K: _gemv_q6_k, IQ4_NL: _gemv_iq4_nl,
 }
 _GEMV_SERIAL = {t: serial_twin(k) for t, k in _GEMV.items()}
 # weights smaller than this (e.g. a 128x896 k_proj) are read on the calling thread

@@ -16,7 +16,8 @@ from numba.extending import intrinsic
 
 from kernels.cpu import ops
 from kernels.cpu.ops import serial_twin
-from kernels.types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED, TRAITS
+from kernels.types import (BF16, F16, F32, IQ4_NL, IQ4_NL_VALUES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED,
+                           TRAITS)
 
 # views of the type table (kernels.types): type id -> (elements per block, bytes per block), names
 GGML_BLOCK: dict[int, tuple[int, int]] = {t: (tr.block, tr.size) for t, tr in TRAITS.items()}
@@ -118,7 +119,7 @@ def repack(raw: np.ndarray, ggml_type: int, n_cols: int) -> tuple[np.ndarray, ..
     blk, size = GGML_BLOCK[ggml_type]
     nb = n_cols // blk
     k = b.reshape(n, nb, size)
-    if ggml_type == Q4_0:
+    if ggml_type in (Q4_0, IQ4_NL):
         return _f16(k[..., 0:2]), _u8(k[..., 2:18])
     if ggml_type == Q4_1:
         return _f16(k[..., 0:2]), _f16(k[..., 2:4]), _u8(k[..., 4:20])
@@ -178,6 +179,18 @@ def _deq_q4_0(d, qs, rows, out):
                 v = qs[r, b * 16 + l]
                 out[i, b * 32 + l] = s * np.float32(np.int32(v & 15) - 8)
                 out[i, b * 32 + 16 + l] = s * np.float32(np.int32(v >> 4) - 8)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _deq_iq4_nl(d, qs, rows, out):
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        for b in range(d.shape[1]):
+            s = d[r, b]
+            for l in range(16):
+                v = qs[r, b * 16 + l]
+                out[i, b * 32 + l] = s * np.float32(IQ4_NL_VALUES[v & 15])
+                out[i, b * 32 + 16 + l] = s * np.float32(IQ4_NL_VALUES[v >> 4])
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -310,7 +323,7 @@ def dequantize_rows(packed: tuple[np.ndarray, ...], ggml_type: int, n_cols: int,
 
 _DEQ = {
     F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q4_0: _deq_q4_0, Q4_1: _deq_q4_1, Q5_0: _deq_q5_0,
-    Q5_1: _deq_q5_1, Q8_0: _deq_q8_0, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k,
+    Q5_1: _deq_q5_1, Q8_0: _deq_q8_0, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k, IQ4_NL: _deq_iq4_nl,
 }
 _DEQ_SERIAL = {t: serial_twin(k) for t, k in _DEQ.items()}
 

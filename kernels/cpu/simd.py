@@ -90,6 +90,11 @@ def psign(builder, a, s):
     return call(builder, "llvm.x86.avx2.psign.b", V32B, [a, s])
 
 
+def pshufb(builder, table, idx):
+    """vpshufb: byte i of each 128-bit half becomes that half's table[idx[i] & 15] (idx < 128)."""
+    return call(builder, "llvm.x86.avx2.pshuf.b", V32B, [table, idx])
+
+
 def fma(builder, a, b, c):
     """a * b + c with one rounding per lane (_mm256_fmadd_ps)."""
     return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])

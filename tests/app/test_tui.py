@@ -177,13 +177,13 @@ async def test_corrupt_model_file_is_reported_and_current_model_kept(engine, tmp
 
 
 async def test_a_file_the_engine_lacks_runs_on_llamacpp_and_the_app_says_so(engine, tmp_path):
-    """--backend auto in the chat: a model with a tensor type kvchat's engine lacks (IQ4_NL) loads on
+    """--backend auto in the chat: a model with a tensor type kvchat's engine lacks (TQ2_0) loads on
     llama.cpp; a warning says why and the status bar names the engine."""
     import llama_cpp
 
     from tests.engine.conftest import requantize, write_tiny_model
-    iq = requantize(write_tiny_model(tmp_path / "f32.gguf", "llama", "F32"), tmp_path / "iq4nl.gguf",
-                    llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL)
+    iq = requantize(write_tiny_model(tmp_path / "f32.gguf", "llama", "F32"), tmp_path / "tq2.gguf",
+                    llama_cpp.LLAMA_FTYPE_MOSTLY_TQ2_0)
     app = make_app(engine, tmp_path / "h.db")
     async with app.run_test(size=(120, 24), notifications=True) as pilot:
         await pilot.press("f5")
@@ -193,7 +193,7 @@ async def test_a_file_the_engine_lacks_runs_on_llamacpp_and_the_app_says_so(engi
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.engine is not engine and app.engine is not None, 120, "the model to load")
         await pilot.pause()
-        note = next(n for n in app._notifications if "IQ4_NL" in n.message)
+        note = next(n for n in app._notifications if "TQ2_0" in n.message)
         assert note.severity == "warning" and "using llama.cpp" in note.message
         assert app.engine.backend_name == "llama.cpp"
         assert "llama.cpp on cpu" in str(app.query_one("#status").render())

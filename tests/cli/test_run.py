@@ -140,26 +140,26 @@ def test_bad_model_files(bad_files, kind, message, command):
 
 
 def test_backend_auto_hands_what_the_engine_lacks_to_llamacpp(tmp_path):
-    """--backend auto (the default): a file with a tensor type kvchat's engine lacks (IQ4_NL, made by
+    """--backend auto (the default): a file with a tensor type kvchat's engine lacks (TQ2_0, made by
     llama.cpp's own quantizer) runs on llama.cpp, said in one line, with llama.cpp's tokens;
     --backend native refuses it in one line (exit 2); `models info` names the engine. A file neither
     engine runs is one line, exit 2."""
     from gguf import GGMLQuantizationType
     from tests.engine.conftest import requantize, write_tiny_model
     from tests.models.test_gguf_file import write_gguf
-    iq = requantize(write_tiny_model(tmp_path / "f32.gguf", "llama", "F32"), tmp_path / "iq4nl.gguf",
-                    llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL)
+    iq = requantize(write_tiny_model(tmp_path / "f32.gguf", "llama", "F32"), tmp_path / "tq2.gguf",
+                    llama_cpp.LLAMA_FTYPE_MOSTLY_TQ2_0)
     greedy = ["--no-chat", "--temperature", "0", "-n", "6", "--logit-bias", "2=-inf", "the cat"]
     auto = run_kvchat("run", "-m", str(iq), *greedy)
     assert auto.returncode == 0, auto.stderr.decode()
-    assert "kvchat: kvchat's engine does not run tensor type IQ4_NL yet; using llama.cpp\n" in auto.stderr.decode()
+    assert "kvchat: kvchat's engine does not run tensor type TQ2_0 yet; using llama.cpp\n" in auto.stderr.decode()
     named = run_kvchat("run", "-m", str(iq), "--backend", "llama.cpp", *greedy)
     assert named.returncode == 0 and auto.stdout == named.stdout and auto.stdout.strip()
     native = run_kvchat("run", "-m", str(iq), "--backend", "native", *greedy)
     err = native.stderr.decode()
-    assert native.returncode == 2 and len(err.strip().splitlines()) == 1 and "does not run tensor type IQ4_NL" in err
+    assert native.returncode == 2 and len(err.strip().splitlines()) == 1 and "does not run tensor type TQ2_0" in err
     info = run_kvchat("models", "info", str(iq))
-    assert info.returncode == 0 and "llama.cpp (kvchat's engine does not run tensor type IQ4_NL yet)" in info.stdout.decode()
+    assert info.returncode == 0 and "llama.cpp (kvchat's engine does not run tensor type TQ2_0 yet)" in info.stdout.decode()
 
     neither = write_gguf(tmp_path / "mamba.gguf", arch="mamba")     # no vocabulary, no layers
     for backend in ((), ("--backend", "llama.cpp"), ("--backend", "native")):

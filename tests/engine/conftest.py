@@ -7,6 +7,7 @@ requires, a few words), so llama.cpp's vocab loader accepts it.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -24,11 +25,11 @@ GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
-QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
 
-# K-quant f16 scale fields (byte ranges) that must hold finite, small values
-_K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
-_K_SCALE = {"Q4_K": (2e-3, 6e-3), "Q5_K": (1e-3, 3e-3), "Q6_K": (1e-3, 4e-3)}
+# f16 scale fields (byte ranges) that must hold finite, small values, of the types gguf-py cannot quantize
+_K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2)}
+_K_SCALE = {"Q4_K": (2e-3, 6e-3), "Q5_K": (1e-3, 3e-3), "Q6_K": (1e-3, 4e-3), "IQ4_NL": (1e-3, 3e-3)}
 
 
 def vocab() -> tuple[list[str], list[float], list[int]]:
@@ -46,7 +47,7 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
         return data.astype(np.float32), t
     if qtype == "F16":
         return data.astype(np.float16), t
-    if qtype in _K_F16:  # gguf-py cannot quantize K-types: random valid blocks, sane scales
+    if qtype in _K_F16:  # gguf-py cannot quantize these: random valid blocks, sane scales
         blk, size = gguf.GGML_QUANT_SIZES[t]
         n, k = data.shape
         raw = rng.integers(0, 256, size=(n, k // blk, size), dtype=np.uint8)
@@ -176,13 +177,29 @@ def tiny_model(tiny_model_dir):
     return make
 
 
-def requantize(src: Path, dst: Path, ftype: int) -> Path:
-    """llama.cpp's own quantizer (llama_model_quantize) on a tiny model: types gguf-py cannot write."""
+def requantize(src: Path, dst: Path, ftype: int, allow_requantize: bool = False) -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize): types gguf-py cannot write, on a tiny model,
+    or another type for a registry model (allow_requantize: its weights are quantized already)."""
     import ctypes
 
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = ftype, 2
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+    params.ftype, params.nthread, params.allow_requantize = ftype, 2, allow_requantize
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        tmp.unlink(missing_ok=True)
         raise RuntimeError(f"llama_model_quantize failed for {src} -> {dst}")
+    os.replace(tmp, dst)
+    return dst
+
+
+def requantized(src: Path, ftype_name: str) -> Path:
+    """A registry model requantized to LLAMA_FTYPE_MOSTLY_<ftype_name>, made once into the user cache dir."""
+    import llama_cpp
+
+    from core.paths import cache_dir
+    dst = cache_dir() / "requant" / f"{src.stem}-{ftype_name}.gguf"
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        requantize(src, dst, getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}"), allow_requantize=True)
     return dst

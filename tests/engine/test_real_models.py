@@ -21,7 +21,10 @@ from core.types import SamplingParams
 from core.engine import Engine
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import NativeBackend
+from core.tokenizer import Tokenizer
 from models import registry
+from models.gguf_file import open_model
+from tests.engine.conftest import requantized
 
 N_GEN = 64
 GREEDY = SamplingParams(temperature=0, top_k=0, top_p=1, min_p=0, max_tokens=N_GEN)
@@ -92,3 +95,26 @@ def test_native_tracks_llama_cpp(engines):
     print(summary)
     assert same32 >= 0.9 * len(PROMPTS), summary
     assert tf_rows >= 0.98 * total, summary
+
+
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "IQ4_NL", "Q5_K_M"])
+def test_requantized_registry_model_is_bit_exact(ftype, qwen_path):
+    """The default model requantized by llama.cpp's own quantizer to other common file types (each
+    mixes types: IQ4_NL files hold Q5_1 and Q5_K, Q5_K_M ones Q6_K): logits_all bit for bit
+    llama.cpp's, batched and step by step, every matrix on an exact kernel and the fused decode path."""
+    g = open_model(requantized(qwen_path, ftype))
+    tok = Tokenizer.from_gguf(g)
+    ids = tok.encode("Write a Python function that reverses a string, then explain how it works.")
+    native = NativeBackend(g, tok, 256, 2)
+    ll = LlamaCppBackend(g, tok, 256, 2, logits_all=True)
+    try:
+        assert native.model._decode_one_ok()
+        np.testing.assert_array_equal(native.logits_all(ids), ll.logits_all(ids))
+        native.seq.release()
+        ll.llm.reset()
+        ll.llm._ctx.kv_cache_clear()
+        for t in ids[:6]:
+            np.testing.assert_array_equal(native.extend([t]), ll.extend([t]))
+    finally:
+        ll.close()
+        native.close()

@@ -2,7 +2,7 @@
 
 - The float path (every type: gemv, gemm, rows) against float64 products of gguf-py's
   dequantized weights, within bounds derived from its summation order.
-- The exact int8 path (Q5_0, Q8_0, Q4_K, Q6_K) against the numpy models of llama.cpp's AVX2
+- The exact int8 path (Q5_0, Q8_0, Q4_0, IQ4_NL, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) against the numpy models of llama.cpp's AVX2
   kernels in kernels.reference, bit for bit, over the row counts where llama.cpp changes kernel.
 """
 import numpy as np
@@ -132,7 +132,7 @@ def test_parallel_and_serial_kernels_agree(ggml_type, monkeypatch):
 
 # --- the exact int8 path ----------------------------------------------------------------------
 
-EXACT = [T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+EXACT = sorted(t for t, tr in TRAITS.items() if tr.exact)
 
 
 def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
@@ -141,7 +141,14 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
     if ggml_type in (T.Q5_0, T.Q8_0):
         d, w = (ref.unpack_q8_0 if ggml_type == T.Q8_0 else ref.unpack_q5_0)(raw, n_cols)
         return ref.matmul_q0_ref(d, w, rows.dx, rows.xq)
-    unpacked = (ref.unpack_q4_k if ggml_type == T.Q4_K else ref.unpack_q6_k)(raw, n_cols)
+    if ggml_type in (T.Q4_1, T.Q5_1):
+        d, m, w = (ref.unpack_q4_1 if ggml_type == T.Q4_1 else ref.unpack_q5_1)(raw, n_cols)
+        return ref.matmul_q1_ref(d, m, w, rows.dx, rows.s1, rows.xq)
+    if ggml_type in (T.Q4_0, T.IQ4_NL):
+        d, w = (ref.unpack_q4_0 if ggml_type == T.Q4_0 else ref.unpack_iq4_nl)(raw, n_cols)
+        return ref.matmul_q4_0_8x8_ref(d, w, rows.dx, rows.xq)
+    unpack = {T.Q4_K: ref.unpack_q4_k, T.Q5_K: ref.unpack_q5_k, T.Q6_K: ref.unpack_q6_k}[ggml_type]
+    unpacked = unpack(raw, n_cols)
     for r0, n, batched in runs:
         sl = slice(r0, r0 + n)
         if ggml_type == T.Q4_K:        # llama.cpp: gemm for the first n - n % 4 rows of a batch > 3 rows
@@ -150,8 +157,9 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
             v = slice(r0 + n_gemm, r0 + n)
             out[g] = ref.matmul_q4_k_ref(unpacked, rows.dx[g], rows.xq[g], per_pair=True)
             out[v] = ref.matmul_q4_k_ref(unpacked, rows.dx[v], rows.xq[v], per_pair=False)
-        else:                      # tiled from 8 rows
-            out[sl] = ref.matmul_q6_k_ref(unpacked, rows.dx[sl], rows.xq[sl], tiled=batched and n >= 8)
+        else:                      # Q5_K, Q6_K: tiled from 8 rows
+            model = ref.matmul_q5_k_ref if ggml_type == T.Q5_K else ref.matmul_q6_k_ref
+            out[sl] = model(unpacked, rows.dx[sl], rows.xq[sl], tiled=batched and n >= 8)
     return out
 
 
@@ -161,13 +169,13 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
     or passes of up to 8 rows: 9, 16, 37 take several) and the Q5_0 panel kernel (48 rows or more),
-    Q4_K's gemm/gemv split, Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
+    Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
     layouts' padding."""
     assert (m >= qdot.Q5_0_PANEL_MIN_ROWS) == (m == 50)    # the panel kernel is covered, by 50 only
     if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
         n_cols = 1536
-    if ggml_type == T.Q4_K and n_rows % 8:
-        n_rows = 16                # llama.cpp only repacks Q4_K with a multiple of 8 rows
+    if TRAITS[ggml_type].rows8 and n_rows % 8:
+        n_rows = 16                # llama.cpp only repacks Q4_K, Q4_0, IQ4_NL with a multiple of 8 rows
     rng = np.random.default_rng(ggml_type * 1000 + n_rows * 10 + m)
     raw = random_quantized(ggml_type, n_rows, n_cols, rng)
     qm = QMatrix(raw, ggml_type, n_rows, n_cols)
@@ -183,7 +191,7 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
 @pytest.mark.parametrize("m", [2, 6, 7, 8, 9, 17])
 def test_single_row_arithmetic_for_many_rows(ggml_type, m):
     """A speculative check's rows (one run, not batched) get the one-row arithmetic whatever their
-    number: Q6_K has a kernel for each of 1..8 rows per pass over W, Q4_K's gemv takes 4 and 2."""
+    number: Q5_K and Q6_K have a kernel for each of 1..8 rows per pass over W, Q4_K's gemv takes 4 and 2."""
     n_cols = 1536
     rng = np.random.default_rng(ggml_type * 100 + m)
     raw = random_quantized(ggml_type, 16, n_cols, rng)
@@ -247,16 +255,17 @@ def test_exact_parallel_and_serial_agree(ggml_type):
 
 @pytest.mark.parametrize("x_scale", [1.0, 1e-6, 1e4])
 def test_activation_quantizers_equal_llama_cpp_model(x_scale):
-    """q8_0 / q8_K rows as quantize_row_q8_0 (AVX2) and quantize_row_q8_K_ref make them, with the
+    """q8_0 (and q8_1) / q8_K rows as quantize_row_q8_0/1 (AVX2) and quantize_row_q8_K_ref make them, with the
     sums the kernels take, including an all-zero block and ties of |max| with both signs."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((5, 512)) * x_scale).astype(np.float32)
     x[1, :256] = 0.0
     x[2, 10], x[2, 20] = -3 * x_scale, 3 * x_scale                 # +-max tie: the first one sets the sign
-    xq, dx, sx = qdot.quantize_q8_0(x)
-    want_q, want_d = ref.quantize_q8_0_ref(x)
+    xq, dx, sx, s1 = qdot.quantize_q8_0(x)
+    want_q, want_d, want_s = ref.quantize_q8_0_ref(x)
     np.testing.assert_array_equal(xq, want_q)
     np.testing.assert_array_equal(dx, want_d)
+    np.testing.assert_array_equal(s1, want_s)
     np.testing.assert_array_equal(sx, 16 * xq.reshape(5, -1, 4).astype(np.int32).sum(-1))
     kq, kd, bs16, bsp = qdot.quantize_q8_k(x)
     want_q, want_d = ref.quantize_q8_k_ref(x)
@@ -272,4 +281,4 @@ def test_exact_kernels_exist_on_this_cpu():
     """kvchat's exactness rests on these kernels (AVX2, FMA, F16C: any x86-64 of the last decade);
     without them the engine falls back to the float kernels and no longer follows llama.cpp."""
     from kernels.cpu import qdot
-    assert qdot.EXACT_TYPES == {6, 8, 12, 14}
+    assert qdot.EXACT_TYPES == set(EXACT) and {T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K} <= qdot.EXACT_TYPES

@@ -9,6 +9,8 @@ each float step depends on the kernel it picks, so we reproduce each one (read f
 - Q8_0 / Q5_0 (ggml_vec_dot_q*_q8_0 for one row, tinyBLAS_Q0_AVX for more; the same numbers):
   per output 8 float lanes; lane k of block b gets fma(d_w*d_x, sum of the 4 products at 4k..4k+3);
   at the end hsum_float_8.
+- Q4_0 / IQ4_NL (weights repacked 8 rows at a time, ggml_gemv/gemm_q4_0_8x8_q8_0 and iq4_nl's; the
+  same numbers): per output acc = fma(float(the block's integer dot), d_w*d_x, acc), block by block.
 - Q4_K (weights repacked 8 rows at a time, ggml_gemv/gemm_q4_K_8x8_q8_K): per output
   acc += float(sum_j sc_j*dot_j) * (d_w*d_x), acc_min += float(sum_j mn_j*bsum_j) * (dmin_w*d_x),
   result acc - acc_min; gemv does one step per 256-element super-block, gemm (rows in groups of 4
@@ -16,12 +18,16 @@ each float step depends on the kernel it picks, so we reproduce each one (read f
 - Q6_K: fewer than 8 rows: ggml_vec_dot_q6_K_q8_K (8 lanes per super-block, hsum_float_8);
   8 rows or more: the tiled kernel (one exact integer per super-block, d_w*float(S), then
   out = fma(that, d_x, out)).
+- Q5_K (not repacked on x86 either): fewer than 8 rows: ggml_vec_dot_q5_K_q8_K (8 lanes as Q6_K,
+  the minimums apart: summs = fma(-(d_x*dmin_w), float(M), summs), result hsum_float_8 + summs);
+  8 rows or more: the tiled kernel (res = d_w*float(S) - dmin_w*float(M) in one fma, then
+  out = fma(res, d_x, out)).
 
 Each kernel here gives every output exactly those float operations, so the results equal
 llama.cpp's bit for bit while the work is organised for this machine: decode streams every
 weight byte once per token, a prompt reuses each unpacked weight panel for all its rows.
 
-One module per type family (q0: Q8_0 and Q5_0, q4_k, q6_k) and one for the activations (act);
+One module per type family (q0: Q8_0, Q5_0, Q4_0 and IQ4_NL; q4_k, q5_k, q6_k) and one for the activations (act);
 this one holds what every family shares: the layouts' builder, the run arrays, and the dispatch
 (matmul from Python, matmul_row inside compiled code).
 """
@@ -35,9 +41,9 @@ from numba import njit
 from kernels import types as T
 from kernels.cpu.qdot.act import _quantize_q8_0_serial, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k
 from kernels.cpu.qdot.common import NB_PAD
-from kernels.cpu.qdot.q0 import (PANEL_MR, Q5_0_KIND, Q8_0_KIND, _bias_groups, _q0_x8_rows, _q5_0_prompt, q0_kind,
-                                 repack_q0_x8)
+from kernels.cpu.qdot.q0 import PANEL_MR, _bias_groups, _q0_x8_rows, _q5_0_prompt, repack_q0_x8
 from kernels.cpu.qdot.q4_k import _q4_k_rows, repack_q4_k_x8
+from kernels.cpu.qdot.q5_k import _q5_k_rows
 from kernels.cpu.qdot.q6_k import _q6_k_rows
 from kernels.cpu.simd import HAS_AVX2
 from kernels.types import ACT_Q8_0, ACT_Q8_K, TRAITS
@@ -51,7 +57,7 @@ class Int8Rows:
         x = np.ascontiguousarray(x, np.float32)
         self.kind = kind
         if kind == ACT_Q8_0:
-            self.xq, self.dx, self.sx = quantize_q8_0(x)
+            self.xq, self.dx, self.sx, self.s1 = quantize_q8_0(x)
         elif kind == ACT_Q8_K:
             self.xq, self.dx, self.bs16, self.bsp = quantize_q8_k(x)
         else:
@@ -83,13 +89,13 @@ EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 e
 
 def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> np.ndarray | None:
     """The weights as the exact kernels read them, 8 rows interleaved (the same bytes as GGUF): Q8_0 and
-    Q5_0 padded to a multiple of 8 rows, Q4_K only if it has one (llama.cpp does not repack such a
-    matrix either, and its other kernel is not reproduced here), Q6_K rows in place; None where no
-    exact kernel applies."""
-    if ggml_type not in EXACT_TYPES:
+    Q5_0 padded to a multiple of 8 rows, the types llama.cpp repacks (Q4_0, IQ4_NL, Q4_K) only if they
+    have one (llama.cpp does not repack such a matrix either, and its other kernel is not reproduced
+    here), Q5_K and Q6_K rows in place; None where no exact kernel applies."""
+    if ggml_type not in EXACT_TYPES or (TRAITS[ggml_type].rows8 and n_rows % 8):
         return None
     if ggml_type == T.Q4_K:
-        return repack_q4_k_x8(raw, n_cols) if n_rows % 8 == 0 else None
+        return repack_q4_k_x8(raw, n_cols)
     if not TRAITS[ggml_type].x8:
         return np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
     return repack_q0_x8(raw, ggml_type, n_cols)
@@ -125,22 +131,24 @@ def _run_arrays(runs, M: int):
 def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=None) -> np.ndarray:
     """rows (M, K) @ W.T -> (M, n_out) float32 for the first n_out rows of W, llama.cpp's numbers bit
     for bit. W is read once per call for all M rows. runs: [(start, length, batched)] covering the
-    rows (default: one batched run); llama.cpp picks its Q4_K and Q6_K arithmetic by the size of the
-    batch it is given, so a batched run gets the arithmetic of a llama.cpp batch of its length and a
-    one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
+    rows (default: one batched run); llama.cpp picks its Q4_K, Q5_K and Q6_K arithmetic by the size
+    of the batch it is given, so a batched run gets the arithmetic of a llama.cpp batch of its length
+    and a one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
     M = rows.n_rows
     traits = TRAITS[ggml_type]
     w = traits.layout_prefix(layout, n_out)                     # the rows (or 8-row groups) needed
     out = np.empty((M, traits.layout_rows(w)), np.float32)
     if ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
+    elif ggml_type == T.Q5_K:
+        _q5_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q4_K:
         _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
         xb, dxb = rows.biased_groups()
         _q5_0_prompt(w, xb, dxb, M, out)
     else:
-        _q0_x8_rows(q0_kind(ggml_type), w, rows.xq, rows.dx, rows.sx, out)
+        _q0_x8_rows(ggml_type, w, rows.xq, rows.dx, rows.sx, rows.s1, out)
     return out if out.shape[1] == n_out else out[:, :n_out]
 
 
@@ -152,6 +160,7 @@ class Q8Buffers(NamedTuple):
     xq: np.ndarray       # (R, K) int8
     dx0: np.ndarray      # (R, K/32) float32: q8_0 scales
     sx: np.ndarray       # (R, K/4) int32: q8_0 4-group sums x 16
+    s1: np.ndarray       # (R, K/32) float32: q8_1's s (f16 values)
     dxk: np.ndarray      # (R, max(1, K/256)) float32: q8_K scales
     bs16: np.ndarray     # (R, K/16) int16: q8_K 16-element sums
     bsp: np.ndarray      # (R, max(1, K/64)) int32: q8_K paired 32-element sums
@@ -159,7 +168,8 @@ class Q8Buffers(NamedTuple):
     @staticmethod
     def alloc(R: int, K: int) -> "Q8Buffers":
         return Q8Buffers(np.empty((R, K), np.int8), np.empty((R, K // 32), np.float32),
-                         np.empty((R, K // 4), np.int32), np.empty((R, max(1, K // 256)), np.float32),
+                         np.empty((R, K // 4), np.int32), np.empty((R, K // 32), np.float32),
+                         np.empty((R, max(1, K // 256)), np.float32),
                          np.empty((R, K // 16), np.int16), np.empty((R, max(1, K // 64)), np.int32))
 
 
@@ -167,7 +177,7 @@ class Q8Buffers(NamedTuple):
 def quantize_into(h, kind, q):
     """Quantize rows h (R, K) for a vec-dot type (kind: types.ACT_Q8_0 or ACT_Q8_K) into q (Q8Buffers)."""
     if kind == ACT_Q8_0:
-        _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx)
+        _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx, q.s1)
     else:
         _quantize_q8_k_serial(h, q.xq, q.dxk, q.bs16, q.bsp)
 
@@ -180,9 +190,9 @@ def matmul_row(layout, ggml_type, q, runs, out):
     run_start, run_len, run_batched = runs
     if ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q5_K:
+        _q5_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q4_K:
         _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
-    elif ggml_type == T.Q8_0:
-        _q0_x8_rows(Q8_0_KIND, layout, q.xq, q.dx0, q.sx, out)
     else:
-        _q0_x8_rows(Q5_0_KIND, layout, q.xq, q.dx0, q.sx, out)
+        _q0_x8_rows(ggml_type, layout, q.xq, q.dx0, q.sx, q.s1, out)

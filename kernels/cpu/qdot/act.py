@@ -1,5 +1,6 @@
-"""Activation rows quantized as llama.cpp's matmul quantizes them: q8_0 (for Q8_0 and Q5_0
-weights) and q8_K (for the K-quants), with the sums the kernels' offsets need."""
+"""Activation rows quantized as llama.cpp's matmul quantizes them: q8_0 (for Q8_0, Q5_0, Q4_0 and
+IQ4_NL weights; q8_1, for Q4_1 and Q5_1, has the same values and one more field) and q8_K (for the
+K-quants), with the sums the kernels' offsets need."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,20 +28,25 @@ def _absmax(x, m, lo, n):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_q8_0(x, xq, dx, sx):
+def _quantize_q8_0(x, xq, dx, sx, s1):
     """quantize_row_q8_0 (AVX2): per 32 elements d = f16(amax / 127), q = round(x * (127 / amax));
-    sx: 16 x the sum of every 4 q (the Q5_0 x8 kernel's offset)."""
+    sx: 16 x the sum of every 4 q (the unsigned types' offset); s1: quantize_row_q8_1's s, f16(d x
+    the block's sum of q) with d before its rounding to f16 (the Q4_1 / Q5_1 minimums)."""
     for m in prange(x.shape[0]):
         for b in range(dx.shape[1]):
             amax = _absmax(x, m, b * 32, 32)
             idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
             for i in range(32):
                 xq[m, b * 32 + i] = np.int32(_rint_small(x[m, b * 32 + i] * idv))
-            dx[m, b] = f16_value(f16_bits(amax / np.float32(127.0)))
+            d = amax / np.float32(127.0)
+            dx[m, b] = f16_value(f16_bits(d))
+            tot = np.int32(0)
             for k in range(8):
                 i = b * 32 + 4 * k
-                sx[m, b * 8 + k] = 16 * (np.int32(xq[m, i]) + np.int32(xq[m, i + 1]) + np.int32(xq[m, i + 2]) +
-                                         np.int32(xq[m, i + 3]))
+                g = np.int32(xq[m, i]) + np.int32(xq[m, i + 1]) + np.int32(xq[m, i + 2]) + np.int32(xq[m, i + 3])
+                sx[m, b * 8 + k] = 16 * g
+                tot += g
+            s1[m, b] = f16_value(f16_bits(d * np.float32(tot)))
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -82,13 +88,14 @@ _quantize_q8_0_serial = serial_twin(_quantize_q8_0)
 _quantize_q8_k_serial = serial_twin(_quantize_q8_k)
 
 
-def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/32) float32 holding f16 values,
-    16 x the 4-element group sums (M, K/4) int32)."""
+    16 x the 4-element group sums (M, K/4) int32, q8_1's s (M, K/32) float32 holding f16 values)."""
     M, K = x.shape
     xq, dx, sx = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 4), np.int32)
-    (_quantize_q8_0 if M > 1 else _quantize_q8_0_serial)(x, xq, dx, sx)
-    return xq, dx, sx
+    s1 = np.empty((M, K // 32), np.float32)
+    (_quantize_q8_0 if M > 1 else _quantize_q8_0_serial)(x, xq, dx, sx, s1)
+    return xq, dx, sx, s1
 
 
 def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

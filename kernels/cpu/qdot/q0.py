@@ -1,6 +1,6 @@
-"""Q8_0 and Q5_0 weights times q8_0 activation rows, llama.cpp's numbers bit for bit: the x8
-layout (8 weight rows in the lanes; decode and short batches) and, for prompt-sized batches of
-Q5_0, the unpacked panel kernel."""
+"""Q8_0, Q5_0, Q4_0, IQ4_NL, Q4_1 and Q5_1 weights times q8_0 (q8_1) activation rows, llama.cpp's numbers bit for bit:
+the x8 layout (8 weight rows in the lanes; decode and short batches) and, for prompt-sized batches
+of Q5_0, the unpacked panel kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V16S, V32B, V8H, array, byte_ptr, c32, c64, fma, hsum8, i32, load_as, madd16,
-    maddubs, psign, splat, vconst, vload, vstore,
+    maddubs, psign, pshufb, splat, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -137,65 +137,163 @@ def _q5_0_prompt(wx8, xb, dxb, M, out):
                 q5_0_panel(wp, cp, dwp, j0, xb, dxb, g, D, out, r0, g * PANEL_MR, M - g * PANEL_MR)
 
 
-Q8_0_KIND, Q5_0_KIND = 0, 1         # which weight format a q8_0-activation kernel reads
-
-
-def q0_kind(ggml_type: int) -> int:
-    return Q8_0_KIND if ggml_type == T.Q8_0 else Q5_0_KIND
-
-
-# --- Q8_0 / Q5_0 with 8 weight rows in the lanes (decode, short batches) ------------------------
-# The same float steps as above, vectorized the other way: lane r holds weight row r, and each of
-# the 8 four-element groups of a block has its own accumulator (acc_k[r] is llama.cpp's lane k of
-# row r), so a block costs one vector step per group for 8 rows instead of per row, the scale is a
-# vector of the 8 rows' d_w * d_x, and hsum_float_8 becomes the same tree across the 8
-# accumulators. The x8 layouts keep GGUF's bytes per block (the 5th bits of Q5_0 permuted):
-#   Q8_0: q [group k 8][row 8][4 bytes], then d [row] f16                    (272 bytes)
-#   Q5_0: qs [j 4][row 8][4 bytes] (GGUF qs bytes 4j..4j+3: low nibbles group j, high group j+4),
-#         qh [row 8] 32 bits, bit 8e + k = 5th bit of element 4k + e, then d [row] f16   (176 bytes)
-# Q5_0 takes the unsigned 5-bit values q and x as is: sum (q - 16) x = sum q x - 16 sum x, with the
-# group sums of x computed once per activation row (no sign instructions).
-X8_BLOCK = {T.Q8_0: 272, T.Q5_0: 176}
+# --- the 32-element types with 8 weight rows in the lanes (decode, short batches) -----------------
+# Lane r holds weight row r, so a block costs one vector step per 4-element group for 8 rows, and
+# the scale is a vector of the 8 rows' d_w * d_x. Two float recipes, as llama.cpp has two kernels:
+# - Q8_0 / Q5_0 (ggml_vec_dot_q*_q8_0, tinyBLAS_Q0_AVX), Q4_1 / Q5_1 (ggml_vec_dot_q*_1_q8_1, for
+#   every row count: tinyBLAS does not take them): each of the 8 groups of a block has its own
+#   accumulator (acc_k[r] is llama.cpp's lane k of row r), and hsum_float_8 becomes the same tree
+#   across the 8 accumulators at the end. Q4_1 / Q5_1 add their minimums apart, in one float per
+#   row: summs = fma(m_w, s_x, summs) block by block (GCC contracts the C `summs += m * s`), and
+#   the result is hsum + summs.
+# - Q4_0 / IQ4_NL (repacked by llama.cpp, ggml_gemv/gemm_q4_0_8x8_q8_0 and iq4_nl's): the block's
+#   whole integer dot, then acc = fma(float(dot), d_w * d_x, acc); gemv and gemm alike.
+# The x8 layouts keep GGUF's bytes per block (the 5th bits of Q5_0 permuted):
+#   Q8_0:   q [group k 8][row 8][4 bytes], then d [row] f16                      (272 bytes)
+#   Q5_0:   qs [j 4][row 8][4 bytes] (GGUF qs bytes 4j..4j+3: low nibbles group j, high group j+4),
+#           qh [row 8] 32 bits, bit 8e + k = 5th bit of element 4k + e, then d [row] f16   (176 bytes)
+#   Q4_0, IQ4_NL: qs as Q5_0's, then d [row] f16                                 (144 bytes)
+#   Q4_1:   qs as Q5_0's, d [row] f16, m [row] f16                               (160 bytes)
+#   Q5_1:   qs and qh as Q5_0's, d [row] f16, m [row] f16                        (192 bytes)
+# Q5_0 and Q4_0 take the unsigned values q and x as is: sum (q - o) x = sum q x - o sum x, with the
+# group sums of x computed once per activation row (no sign instructions). IQ4_NL's levels (one
+# vpshufb from the nibbles) are signed: |w| times x with w's sign, as llama.cpp does.
+X8_BLOCK = {T.Q8_0: 272, T.Q5_0: 176, T.Q4_0: 144, T.IQ4_NL: 144, T.Q4_1: 160, T.Q5_1: 192}
+_GGUF_BLOCK = {T.Q8_0: Q8_0_BLOCK, T.Q5_0: Q5_0_BLOCK, T.Q4_0: 18, T.IQ4_NL: 18, T.Q4_1: 20, T.Q5_1: 24}
+PER_BLOCK = (T.Q4_0, T.IQ4_NL)      # the repacked kernels' recipe: one fma per block
+SIGNED = (T.Q8_0, T.IQ4_NL)         # |w| times x with w's sign; the others' values are unsigned
+OFFSET = (T.Q5_0, T.Q4_0)           # the types whose offset (16, 8) comes from the group sums of x
+MINS = (T.Q4_1, T.Q5_1)             # the types with a minimum per block (q8_1's s)
+FIVE_BIT = (T.Q5_0, T.Q5_1)
 
 
 def repack_q0_x8(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
-    """GGUF Q8_0 / Q5_0 rows -> (ceil(N/8), nb * X8_BLOCK) uint8, layout above."""
-    block = Q8_0_BLOCK if ggml_type == T.Q8_0 else Q5_0_BLOCK
+    """GGUF rows of the 32-element types -> (ceil(N/8), nb * X8_BLOCK) uint8, layout above."""
+    block = _GGUF_BLOCK[ggml_type]
     nb = n_cols // 32
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, nb * block)
     if rows.shape[0] % 8:           # zero rows (scale 0) pad the last group; their outputs are dropped
         rows = np.concatenate([rows, np.zeros((-rows.shape[0] % 8, rows.shape[1]), np.uint8)])
     G = rows.shape[0] // 8
     k = rows.reshape(G, 8, nb, block)
-    d = k[..., 0:2].transpose(0, 2, 1, 3).reshape(G, nb, 16)
+    rows8 = lambda lo, hi: k[..., lo:hi].transpose(0, 2, 1, 3).reshape(G, nb, 8 * (hi - lo))   # noqa: E731
     if ggml_type == T.Q8_0:
         q = k[..., 2:34].reshape(G, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 256)
-        parts = [q, d]
-    else:
-        qs = k[..., 6:22].reshape(G, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 128)
-        qh = np.ascontiguousarray(k[..., 2:6]).view("<u4")[..., 0]                     # (G, 8, nb)
+        return np.ascontiguousarray(np.concatenate([q, rows8(0, 2)], axis=-1).reshape(G, -1))
+    mins = ggml_type in MINS
+    q0 = block - 16                                     # the nibbles, after d (m) (qh)
+    parts = [k[..., q0:].reshape(G, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, 128)]
+    if ggml_type in FIVE_BIT:
+        qh = np.ascontiguousarray(k[..., q0 - 4:q0]).view("<u4")[..., 0]               # (G, 8, nb)
         w = np.zeros_like(qh)
         for grp in range(8):
             for e in range(4):
                 w |= ((qh >> np.uint32(4 * grp + e)) & np.uint32(1)) << np.uint32(8 * e + grp)
-        qh_t = w.transpose(0, 2, 1).copy().view(np.uint8).reshape(G, nb, 32)
-        parts = [qs, qh_t, d]
+        parts.append(w.transpose(0, 2, 1).copy().view(np.uint8).reshape(G, nb, 32))
+    parts += [rows8(0, 2), rows8(2, 4)] if mins else [rows8(0, 2)]
     return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(G, nb * X8_BLOCK[ggml_type]))
 
 
+class _X8Block:
+    """IR that reads one x8 block at byte pointer p: the weight vectors of its 8 groups, for 8 rows."""
+
+    def __init__(self, builder, ggml_type: int, p):
+        self.b, self.t, self.p = builder, ggml_type, p
+        if ggml_type != T.Q8_0:
+            self.qs = [vload(builder, builder.gep(p, [c64(32 * j)]), V32B) for j in range(4)]
+        if ggml_type in FIVE_BIT:
+            self.qh = vload(builder, builder.gep(p, [c64(128)]), V8I)
+
+    def _f16s(self, at: int):
+        return self.b.fpext(vload(self.b, self.b.gep(self.p, [c64(at)]), V8H), V8F)
+
+    def scales(self):
+        """The 8 rows' d_w (V8F)."""
+        return self._f16s(X8_BLOCK[self.t] - (32 if self.t in MINS else 16))
+
+    def mins(self):
+        """The 8 rows' m_w (V8F) of Q4_1 / Q5_1."""
+        return self._f16s(X8_BLOCK[self.t] - 16)
+
+    def group(self, k: int):
+        """Group k's 4 values of each row (V32B): Q8_0 its int8 values, the 4- and 5-bit types their
+        unsigned values, IQ4_NL the signed levels."""
+        b = self.b
+        if self.t == T.Q8_0:
+            return vload(b, b.gep(self.p, [c64(32 * k)]), V32B)
+        v = self.qs[k % 4]
+        nib = b.and_(v, vconst(V32B, 0x0F)) if k < 4 else b.and_(b.lshr(v, vconst(V32B, 4)), vconst(V32B, 0x0F))
+        if self.t in FIVE_BIT:        # bit 8e + k -> bit 4 of byte e: one shift and one mask
+            sh = b.shl(self.qh, vconst(V8I, 4 - k)) if k <= 4 else b.lshr(self.qh, vconst(V8I, k - 4))
+            return b.or_(nib, b.bitcast(b.and_(sh, vconst(V8I, 0x10101010)), V32B))
+        if self.t == T.IQ4_NL:
+            return pshufb(b, ir.Constant(V32B, [int(v) for v in T.IQ4_NL_VALUES] * 2), nib)
+        return nib
+
+    def magnitude(self, w):
+        """What vpmaddubsw's unsigned operand takes of a group: |w| for the signed types."""
+        return psign(self.b, w, w) if self.t in SIGNED else w
+
+
+def _group_dot(builder, ggml_type: int, wmag, w, x4):
+    """Each row's 4-element dot of one group (V8I) before the offset: vpmaddubsw + vpmaddwd, with x
+    taking w's sign for the signed types."""
+    if ggml_type in SIGNED:
+        x4 = psign(builder, x4, w)
+    return madd16(builder, maddubs(builder, wmag, x4), vconst(V16S, 1))
+
+
+
+
+def _block_step(builder, ggml_type: int, dots, sums, scale, accs, mins=None):
+    """One block's float steps for one activation row: dots (8 V8I) of the groups, sums (8 i32): 16 x
+    the row's group sums, scale (V8F) d_w * d_x, accs: the row's accumulator pointers (8; 1 for
+    PER_BLOCK types; 8 and summs for MINS types), mins (V8F): m_w * s_x's factors (m_w, s_x)."""
+    if ggml_type in PER_BLOCK:
+        tot = dots[0]
+        for d in dots[1:]:
+            tot = builder.add(tot, d)
+        if ggml_type == T.Q4_0:                  # 8 x the block's sum of x = (16 x its group sums) / 2
+            s = sums[0]
+            for v in sums[1:]:
+                s = builder.add(s, v)
+            tot = builder.sub(tot, splat(builder, builder.ashr(s, ir.Constant(i32, 1)), V8I))
+        builder.store(fma(builder, builder.sitofp(tot, V8F), scale, builder.load(accs[0])), accs[0])
+        return
+    for k in range(8):
+        isum = builder.sub(dots[k], splat(builder, sums[k], V8I)) if ggml_type in OFFSET else dots[k]
+        builder.store(fma(builder, scale, builder.sitofp(isum, V8F), builder.load(accs[k])), accs[k])
+    if ggml_type in MINS:
+        builder.store(fma(builder, *mins, builder.load(accs[8])), accs[8])
+
+
+def _finish(builder, ggml_type: int, accs):
+    """The 8 rows' outputs (V8F) from one activation row's accumulators."""
+    if ggml_type in PER_BLOCK:
+        return builder.load(accs[0])
+    a = [builder.load(p) for p in accs]
+    r = [builder.fadd(a[4 + k], a[k]) for k in range(4)]
+    res = builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))      # hsum_float_8, 8 rows at once
+    return builder.fadd(res, a[8]) if ggml_type in MINS else res
+
+
+def _n_accs(ggml_type: int) -> int:
+    return 1 if ggml_type in PER_BLOCK else (9 if ggml_type in MINS else 8)
+
+
 def _q0_x8_kernel(ggml_type: int):
-    """kern(wx8, g, xq, dx, sx, m, out): out[m, 8g .. 8g+8] for activation row m. sx (M, nb*8) int32:
-    16 x the 4-element group sums of xq (Q5_0's offset); unused for Q8_0."""
-    is_q8 = ggml_type == T.Q8_0
+    """kern(wx8, g, xq, dx, sx, s1, m, out): out[m, 8g .. 8g+8] for activation row m, accumulators in
+    registers. sx (M, nb*8) int32: 16 x the 4-element group sums of xq (OFFSET types), s1 (M, nb):
+    q8_1's s (MINS types)."""
     block = X8_BLOCK[ggml_type]
 
-    def kern(typingctx, wx8, g, xq, dx, sx, m, out):
-        sig = types.void(wx8, g, xq, dx, sx, m, out)
+    def kern(typingctx, wx8, g, xq, dx, sx, s1, m, out):
+        sig = types.void(wx8, g, xq, dx, sx, s1, m, out)
 
         def codegen(context, builder, signature, args):
-            wa, _, xa, da, sa, _, oa = (array(context, builder, signature.args[k], args[k]) if k not in (1, 5) else None
-                                        for k in range(7))
-            gv, mv = args[1], args[5]
+            wa, _, xa, da, sa, s1a, _, oa = (array(context, builder, signature.args[k], args[k]) if k not in (1, 6) else None
+                                             for k in range(8))
+            gv, mv = args[1], args[6]
             nb = builder.extract_value(da.shape, 1)
             K = builder.extract_value(xa.shape, 1)
             N = builder.extract_value(oa.shape, 1)
@@ -203,98 +301,80 @@ def _q0_x8_kernel(ggml_type: int):
             xrow = builder.gep(byte_ptr(builder, xa.data), [builder.mul(mv, K)])
             drow = builder.gep(da.data, [builder.mul(mv, nb)])
             srow = builder.gep(sa.data, [builder.mul(mv, builder.mul(nb, c64(8)))])
-            zero = ir.Constant(V8F, [0.0] * 8)
-            acc = [cgutils.alloca_once_value(builder, zero) for _ in range(8)]
-            ones, m0f, bit4 = vconst(V16S, 1), vconst(V32B, 0x0F), vconst(V8I, 0x10101010)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(_n_accs(ggml_type))]
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 p = builder.gep(group, [builder.mul(b, c64(block))])
                 for line in range(0, block, 64):              # the stream PREFETCH bytes ahead
                     prefetch(builder, builder.gep(p, [c64(PREFETCH + line)]))
-                d8 = builder.fpext(vload(builder, builder.gep(p, [c64(block - 16)]), V8H), V8F)
-                scale = builder.fmul(d8, splat(builder, builder.load(builder.gep(drow, [b])), V8F))   # d_w * d_x per row
+                blk = _X8Block(builder, ggml_type, p)
+                scale = builder.fmul(blk.scales(), splat(builder, builder.load(builder.gep(drow, [b])), V8F))
                 xb = builder.gep(xrow, [builder.mul(b, c64(32))])
-                if not is_q8:
-                    qh = vload(builder, builder.gep(p, [c64(128)]), V8I)
-                    qsv = [vload(builder, builder.gep(p, [c64(32 * j)]), V32B) for j in range(4)]
+                dots, sums = [], []
                 for k in range(8):
                     x4 = builder.bitcast(splat(builder, load_as(builder, xb, i32, 4 * k), V8I), V32B)
-                    if is_q8:
-                        w = vload(builder, builder.gep(p, [c64(32 * k)]), V32B)
-                        isum = madd16(builder, maddubs(builder, psign(builder, w, w), psign(builder, x4, w)), ones)
-                    else:
-                        v = qsv[k % 4]
-                        nib = builder.and_(v, m0f) if k < 4 else builder.and_(builder.lshr(v, vconst(V32B, 4)), m0f)
-                        # bit 8e + k -> bit 4 of byte e: one shift and one mask
-                        sh = builder.shl(qh, vconst(V8I, 4 - k)) if k <= 4 else builder.lshr(qh, vconst(V8I, k - 4))
-                        q5 = builder.or_(nib, builder.bitcast(builder.and_(sh, bit4), V32B))
-                        s16 = builder.load(builder.gep(srow, [builder.add(builder.mul(b, c64(8)), c64(k))]))
-                        isum = builder.sub(madd16(builder, maddubs(builder, q5, x4), ones), splat(builder, s16, V8I))
-                    builder.store(fma(builder, scale, builder.sitofp(isum, V8F), builder.load(acc[k])), acc[k])
-            accs = [builder.load(a) for a in acc]
-            r = [builder.fadd(accs[4 + k], accs[k]) for k in range(4)]
-            res = builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))      # hsum_float_8, 8 rows at once
-            vstore(builder, res, builder.gep(oa.data, [builder.add(builder.mul(mv, N), builder.mul(gv, c64(8)))]))
+                    w = blk.group(k)
+                    dots.append(_group_dot(builder, ggml_type, blk.magnitude(w), w, x4))
+                    if ggml_type in OFFSET:
+                        sums.append(builder.load(builder.gep(srow, [builder.add(builder.mul(b, c64(8)), c64(k))])))
+                mins = (blk.mins(), splat(builder, builder.load(builder.gep(s1a.data, [builder.add(builder.mul(mv, nb), b)])), V8F)) \
+                    if ggml_type in MINS else None
+                _block_step(builder, ggml_type, dots, sums, scale, acc, mins)
+            vstore(builder, _finish(builder, ggml_type, acc),
+                   builder.gep(oa.data, [builder.add(builder.mul(mv, N), builder.mul(gv, c64(8)))]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    kern.__name__ = f"{'q8_0' if is_q8 else 'q5_0'}_x8"
+    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_x8"
     return intrinsic(kern)
 
-
-q8_0_x8, q5_0_x8 = _q0_x8_kernel(8), _q0_x8_kernel(6)
 
 X8_ROWS = 8     # activation rows per pass of the multi-row kernels
 
 
 def _q0_x8_multi_kernel(ggml_type: int):
-    """kern(wx8, g, xq, dx, sx, m0, n, out): out[m0+i, 8g .. 8g+8] for i < n <= X8_ROWS, the one-row
+    """kern(wx8, g, xq, dx, sx, s1, m0, n, out): out[m0+i, 8g .. 8g+8] for i < n <= X8_ROWS, the one-row
     kernel's float steps for every row. Per block the 8 weight vectors are decoded once into a stack
-    buffer (Q5_0: the 5-bit values, Q8_0: their magnitudes) and read back for each row, whose 8
-    accumulators live on the stack, in an IR loop over the rows (unrolled, n x 8 accumulators do not
-    fit the 16 registers). Before, each row decoded every block again: 2 rows cost 2 one-row passes."""
-    is_q8 = ggml_type == T.Q8_0
+    buffer (their magnitudes, and for the signed types the values too) and read back for each row,
+    whose accumulators live on the stack, in an IR loop over the rows (unrolled, n x 8 accumulators
+    do not fit the 16 registers)."""
     block = X8_BLOCK[ggml_type]
+    n_acc = _n_accs(ggml_type)
+    signed = ggml_type in SIGNED
 
-    def kern(typingctx, wx8, g, xq, dx, sx, m0, n, out):
-        sig = types.void(wx8, g, xq, dx, sx, m0, n, out)
+    def kern(typingctx, wx8, g, xq, dx, sx, s1, m0, n, out):
+        sig = types.void(wx8, g, xq, dx, sx, s1, m0, n, out)
 
         def codegen(context, builder, signature, args):
-            wa, _, xa, da, sa, _, _, oa = (array(context, builder, signature.args[k], args[k]) if k not in (1, 5, 6) else None
-                                           for k in range(8))
-            gv, m0v, nv = args[1], args[5], args[6]
+            wa, _, xa, da, sa, s1a, _, _, oa = (array(context, builder, signature.args[k], args[k])
+                                                if k not in (1, 6, 7) else None for k in range(9))
+            gv, m0v, nv = args[1], args[6], args[7]
             nb = builder.extract_value(da.shape, 1)
             K = builder.extract_value(xa.shape, 1)
             N = builder.extract_value(oa.shape, 1)
             group = builder.gep(byte_ptr(builder, wa.data), [builder.mul(gv, builder.mul(nb, c64(block)))])
-            wbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))
-            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F, 8 * X8_ROWS))
-            acc_at = lambda r, k: builder.gep(accs, [c32(0), builder.add(builder.mul(r, c64(8)), c64(k))])   # noqa: E731
-            w_at = lambda k: builder.gep(wbuf, [c32(0), c32(k)])                                                # noqa: E731
+            mbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))          # vpmaddubsw's operand
+            wbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))          # the signed values
+            accs = cgutils.alloca_once(builder, ir.ArrayType(V8F, n_acc * X8_ROWS))
+            acc_at = lambda r, k: builder.gep(accs, [c32(0), builder.add(builder.mul(r, c64(n_acc)), c64(k))])  # noqa: E731
             zero = ir.Constant(V8F, [0.0] * 8)
             with cgutils.for_range(builder, nv) as rl:
-                for k in range(8):
+                for k in range(n_acc):
                     builder.store(zero, acc_at(rl.index, k))
-            ones, m0f, bit4 = vconst(V16S, 1), vconst(V32B, 0x0F), vconst(V8I, 0x10101010)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 p = builder.gep(group, [builder.mul(b, c64(block))])
                 for line in range(0, block, 64):
                     prefetch(builder, builder.gep(p, [c64(PREFETCH + line)]))
-                d8 = builder.fpext(vload(builder, builder.gep(p, [c64(block - 16)]), V8H), V8F)
-                if is_q8:
-                    for k in range(8):
-                        w = vload(builder, builder.gep(p, [c64(32 * k)]), V32B)
-                        builder.store(psign(builder, w, w), w_at(k))
-                else:
-                    qh = vload(builder, builder.gep(p, [c64(128)]), V8I)
-                    qsv = [vload(builder, builder.gep(p, [c64(32 * j)]), V32B) for j in range(4)]
-                    for k in range(8):
-                        v = qsv[k % 4]
-                        nib = builder.and_(v, m0f) if k < 4 else builder.and_(builder.lshr(v, vconst(V32B, 4)), m0f)
-                        sh = builder.shl(qh, vconst(V8I, 4 - k)) if k <= 4 else builder.lshr(qh, vconst(V8I, k - 4))
-                        builder.store(builder.or_(nib, builder.bitcast(builder.and_(sh, bit4), V32B)), w_at(k))
+                blk = _X8Block(builder, ggml_type, p)
+                d8 = blk.scales()
+                m8 = blk.mins() if ggml_type in MINS else None
+                for k in range(8):
+                    w = blk.group(k)
+                    builder.store(blk.magnitude(w), builder.gep(mbuf, [c32(0), c32(k)]))
+                    if signed:
+                        builder.store(w, builder.gep(wbuf, [c32(0), c32(k)]))
                 with cgutils.for_range(builder, nv) as rl:
                     r = rl.index
                     m = builder.add(m0v, r)
@@ -302,54 +382,80 @@ def _q0_x8_multi_kernel(ggml_type: int):
                     dxm = builder.load(builder.gep(da.data, [builder.add(builder.mul(m, nb), b)]))
                     scale = builder.fmul(d8, splat(builder, dxm, V8F))                 # d_w * d_x per weight row
                     srow = builder.gep(sa.data, [builder.add(builder.mul(m, builder.mul(nb, c64(8))), builder.mul(b, c64(8)))])
+                    dots, sums = [], []
                     for k in range(8):
                         x4 = builder.bitcast(splat(builder, load_as(builder, xb, i32, 4 * k), V8I), V32B)
-                        wk = builder.load(w_at(k))
-                        if is_q8:
-                            w = vload(builder, builder.gep(p, [c64(32 * k)]), V32B)
-                            isum = madd16(builder, maddubs(builder, wk, psign(builder, x4, w)), ones)
-                        else:
-                            s16 = builder.load(builder.gep(srow, [c64(k)]))
-                            isum = builder.sub(madd16(builder, maddubs(builder, wk, x4), ones), splat(builder, s16, V8I))
-                        ap = acc_at(r, k)
-                        builder.store(fma(builder, scale, builder.sitofp(isum, V8F), builder.load(ap)), ap)
+                        wmag = builder.load(builder.gep(mbuf, [c32(0), c32(k)]))
+                        w = builder.load(builder.gep(wbuf, [c32(0), c32(k)])) if signed else wmag
+                        dots.append(_group_dot(builder, ggml_type, wmag, w, x4))
+                        if ggml_type in OFFSET:
+                            sums.append(builder.load(builder.gep(srow, [c64(k)])))
+                    mins = (m8, splat(builder, builder.load(builder.gep(s1a.data, [builder.add(builder.mul(m, nb), b)])), V8F)) \
+                        if ggml_type in MINS else None
+                    _block_step(builder, ggml_type, dots, sums, scale, [acc_at(r, k) for k in range(n_acc)], mins)
             with cgutils.for_range(builder, nv) as rl:
                 r = rl.index
-                a = [builder.load(acc_at(r, k)) for k in range(8)]
-                t = [builder.fadd(a[4 + k], a[k]) for k in range(4)]
-                res = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))     # hsum_float_8 per row, 8 rows at once
+                res = _finish(builder, ggml_type, [acc_at(r, k) for k in range(n_acc)])
                 idx = builder.add(builder.mul(builder.add(m0v, r), N), builder.mul(gv, c64(8)))
                 vstore(builder, res, builder.gep(oa.data, [idx]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    kern.__name__ = f"{'q8_0' if is_q8 else 'q5_0'}_x8_multi"
+    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_x8_multi"
     return intrinsic(kern)
 
 
-q8_0_x8_multi, q5_0_x8_multi = _q0_x8_multi_kernel(8), _q0_x8_multi_kernel(6)
+X8_TYPES = (T.Q8_0, T.Q5_0, T.Q4_0, T.IQ4_NL, T.Q4_1, T.Q5_1)
+q8_0_x8, q5_0_x8, q4_0_x8, iq4_nl_x8, q4_1_x8, q5_1_x8 = (_q0_x8_kernel(t) for t in X8_TYPES)
+q8_0_x8_multi, q5_0_x8_multi, q4_0_x8_multi, iq4_nl_x8_multi, q4_1_x8_multi, q5_1_x8_multi = (
+    _q0_x8_multi_kernel(t) for t in X8_TYPES)
+
+
+@njit(inline="always")
+def _q0_x8_one(ggml_type, wx8, g, xq, dx, sx, s1, out):
+    if ggml_type == T.Q8_0:
+        q8_0_x8(wx8, g, xq, dx, sx, s1, 0, out)
+    elif ggml_type == T.Q5_0:
+        q5_0_x8(wx8, g, xq, dx, sx, s1, 0, out)
+    elif ggml_type == T.Q4_0:
+        q4_0_x8(wx8, g, xq, dx, sx, s1, 0, out)
+    elif ggml_type == T.IQ4_NL:
+        iq4_nl_x8(wx8, g, xq, dx, sx, s1, 0, out)
+    elif ggml_type == T.Q4_1:
+        q4_1_x8(wx8, g, xq, dx, sx, s1, 0, out)
+    else:
+        q5_1_x8(wx8, g, xq, dx, sx, s1, 0, out)
+
+
+@njit(inline="always")
+def _q0_x8_some(ggml_type, wx8, g, xq, dx, sx, s1, m0, n, out):
+    if ggml_type == T.Q8_0:
+        q8_0_x8_multi(wx8, g, xq, dx, sx, s1, m0, n, out)
+    elif ggml_type == T.Q5_0:
+        q5_0_x8_multi(wx8, g, xq, dx, sx, s1, m0, n, out)
+    elif ggml_type == T.Q4_0:
+        q4_0_x8_multi(wx8, g, xq, dx, sx, s1, m0, n, out)
+    elif ggml_type == T.IQ4_NL:
+        iq4_nl_x8_multi(wx8, g, xq, dx, sx, s1, m0, n, out)
+    elif ggml_type == T.Q4_1:
+        q4_1_x8_multi(wx8, g, xq, dx, sx, s1, m0, n, out)
+    else:
+        q5_1_x8_multi(wx8, g, xq, dx, sx, s1, m0, n, out)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _q0_x8_rows(kind, wx8, xq, dx, sx, out):
-    """Q8_0 (kind 0) / Q5_0 (kind 1) x8 layout x q8_0 rows -> out (M, N); prange over 8-row groups,
-    each group's bytes stay in L1 while every activation row reads them: one row (decode) with the
+def _q0_x8_rows(ggml_type, wx8, xq, dx, sx, s1, out):
+    """The 32-element types' x8 layout x q8_0 rows -> out (M, N); prange over 8-row groups, each
+    group's bytes stay in L1 while every activation row reads them: one row (decode) with the
     accumulators in registers, more in passes of up to X8_ROWS rows that decode each block once."""
     M = xq.shape[0]
     for g in prange(wx8.shape[0]):
         if M == 1:
-            if kind == Q8_0_KIND:
-                q8_0_x8(wx8, g, xq, dx, sx, 0, out)
-            else:
-                q5_0_x8(wx8, g, xq, dx, sx, 0, out)
+            _q0_x8_one(ggml_type, wx8, g, xq, dx, sx, s1, out)
         else:
             for m0 in range(0, M, X8_ROWS):
-                n = min(X8_ROWS, M - m0)
-                if kind == Q8_0_KIND:
-                    q8_0_x8_multi(wx8, g, xq, dx, sx, m0, n, out)
-                else:
-                    q5_0_x8_multi(wx8, g, xq, dx, sx, m0, n, out)
+                _q0_x8_some(ggml_type, wx8, g, xq, dx, sx, s1, m0, min(X8_ROWS, M - m0), out)
 
 
 def _transpose8x8(builder, vs):
@@ -382,26 +488,19 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
         g0v, n_groups = args[1], args[2]
         nb = builder.extract_value(pa.shape, 1)
         nbp = builder.extract_value(da.shape, 1)
-        block = X8_BLOCK[6]
+        block = X8_BLOCK[T.Q5_0]
         wbase, pbase, cbase = byte_ptr(builder, wa.data), byte_ptr(builder, pa.data), byte_ptr(builder, ca.data)
-        m0f, bit4, ones8, ones16 = vconst(V32B, 0x0F), vconst(V8I, 0x10101010), vconst(V32B, 1), vconst(V16S, 1)
+        ones8, ones16 = vconst(V32B, 1), vconst(V16S, 1)
         with cgutils.for_range(builder, n_groups) as gl:
             grp = gl.index
             src = builder.gep(wbase, [builder.mul(builder.add(g0v, grp), builder.mul(nb, c64(block)))])
             with cgutils.for_range(builder, nb) as bl:
                 b = bl.index
                 p = builder.gep(src, [builder.mul(b, c64(block))])
-                qh = vload(builder, builder.gep(p, [c64(128)]), V8I)
-                qsv = [vload(builder, builder.gep(p, [c64(32 * j)]), V32B) for j in range(4)]
-                groups = []
-                for k in range(8):
-                    v = qsv[k % 4]
-                    nib = builder.and_(v, m0f) if k < 4 else builder.and_(builder.lshr(v, vconst(V32B, 4)), m0f)
-                    sh = builder.shl(qh, vconst(V8I, 4 - k)) if k <= 4 else builder.lshr(qh, vconst(V8I, k - 4))
-                    q5 = builder.or_(nib, builder.bitcast(builder.and_(sh, bit4), V32B))
-                    groups.append(builder.bitcast(builder.sub(q5, vconst(V32B, 16)), V8I))
+                blk = _X8Block(builder, T.Q5_0, p)
+                groups = [builder.bitcast(builder.sub(blk.group(k), vconst(V32B, 16)), V8I) for k in range(8)]
                 rows = _transpose8x8(builder, groups)                # row r: its 32 values
-                d8 = builder.fpext(vload(builder, builder.gep(p, [c64(block - 16)]), V8H), V8F)
+                d8 = blk.scales()
                 for r in range(8):
                     row = builder.add(builder.mul(grp, c64(8)), c64(r))
                     off = builder.add(builder.mul(row, builder.mul(nb, c64(32))), builder.mul(b, c64(32)))

@@ -7,7 +7,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
+from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
     load_as, madd16, maddubs, splat, vconst, vload,
@@ -119,7 +119,6 @@ q6_k_tiled_1, q6_k_tiled_4 = _q6_k_kernel(1, True), _q6_k_kernel(4, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q6_k_vec_dot_2, q6_k_vec_dot_3, q6_k_vec_dot_5, q6_k_vec_dot_6, q6_k_vec_dot_7,
  q6_k_vec_dot_8) = (_q6_k_kernel(m, False) for m in (2, 3, 5, 6, 7, 8))
-Q6_K_TILED_MIN_ROWS = 8     # llama.cpp's ggml_tiled_min_batch
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -131,7 +130,7 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
     chunk = max(4, X_CHUNK_BYTES // K // 4 * 4)
     for r in range(run_start.shape[0]):
         r0, n = run_start[r], run_len[r]
-        tiled = run_batched[r] and n >= Q6_K_TILED_MIN_ROWS
+        tiled = run_batched[r] and n >= TILED_MIN_ROWS
         for c0 in range(r0, r0 + n, chunk):
             c1 = min(r0 + n, c0 + chunk)
             for row in prange(N):
