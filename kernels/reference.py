@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.cpu.libm import rope_theta_scale
-from kernels.types import IQ4_NL, IQ4_NL_VALUES, Q4_K, Q5_K, Q6_K
+from kernels.types import BF16, F16, IQ4_NL, IQ4_NL_VALUES, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 
 
 def dequantize_ref(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
@@ -116,7 +116,8 @@ def attention_ref(q, k, v, q_start: int, scale: float, window: int = 0, softcap:
 
 
 # types gguf-py cannot quantize: random blocks with these f16 fields (Q4_K d+dmin, Q5_K d+dmin, Q6_K d, IQ4_NL d)
-_K_QUANT_F16_FIELDS = {Q4_K: (0, 4), Q5_K: (0, 4), Q6_K: (208, 210), IQ4_NL: (0, 2)}
+_K_QUANT_F16_FIELDS = {Q4_K: (0, 4), Q5_K: (0, 4), Q6_K: (208, 210), IQ4_NL: (0, 2),
+                       Q2_K: (80, 84), Q3_K: (108, 110), IQ4_XS: (0, 2)}   # Q2_K d+dmin, Q3_K d, IQ4_XS d
 
 
 # --- llama.cpp's AVX2 arithmetic, float operation for float operation --------------------------
@@ -364,6 +365,42 @@ def matmul_q0_ref(d_w, w, d_x, xq):
     return hsum8_ref(acc)
 
 
+def round_activation_ref(x, ggml_type: int):
+    """The activation llama.cpp's matmul converts x to for F32 (as is), F16 and BF16 weights (nearest,
+    ties to even)."""
+    x = np.asarray(x, np.float32)
+    if ggml_type == F16:
+        return x.astype(np.float16).astype(np.float32)
+    if ggml_type == BF16:
+        u = x.view(np.uint32).astype(np.uint64)
+        return (((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)).view(np.float32)
+    return x
+
+
+def matmul_dense_ref(w, x, ggml_type: int, tiny: bool):
+    """F32 / F16 / BF16 weights w (N, K) (float32 values) against rounded rows x (M, K). tiny
+    (tinyBLAS): per output one 8-lane fma chain, hsum. Otherwise ggml_vec_dot_f32/_f16/_bf16: four
+    accumulators over 32-element steps; F32/F16 GGML_F32x8_REDUCE, BF16 (c0+c2)+(c1+c3) and hsum."""
+    M, K = x.shape
+    N = w.shape[0]
+    wb = np.broadcast_to(w[None], (M, N, K))
+    xb = np.broadcast_to(x[:, None], (M, N, K))
+    if tiny:
+        acc = np.zeros((M, N, 8), np.float32)
+        for l in range(0, K, 8):
+            acc = fma32(wb[..., l:l + 8], xb[..., l:l + 8], acc)
+        return hsum8_ref(acc)
+    acc = np.zeros((M, N, 4, 8), np.float32)
+    for i in range(0, K, 32):
+        for j in range(4):
+            sl = slice(i + 8 * j, i + 8 * j + 8)
+            acc[..., j, :] = fma32(wb[..., sl], xb[..., sl], acc[..., j, :])
+    if ggml_type == BF16:
+        return hsum8_ref(((acc[..., 0, :] + acc[..., 2, :]).astype(np.float32)
+                          + (acc[..., 1, :] + acc[..., 3, :]).astype(np.float32)).astype(np.float32))
+    return reduce4x8_ref(acc)
+
+
 def matmul_q1_ref(d_w, m_w, w, d_x, s_x, xq):
     """Q4_1 / Q5_1 against q8_1 rows (ggml_vec_dot_q*_1_q8_1, AVX2, for every row count): per output
     8 lanes as matmul_q0_ref with the unsigned values, and summs = fma(m_w, s_x, summs) per block;
@@ -466,6 +503,90 @@ def matmul_q5_k_ref(unpacked, d_x, xq, tiled: bool):
             dm = -(d_x[:, None, b] * dmin_w[None, :, b]).astype(np.float32)
             summs = fma32(dm, Mf, summs)
     return acc if tiled else (hsum8_ref(acc) + summs).astype(np.float32)
+
+
+def unpack_q2_k(raw, K):
+    """GGUF Q2_K rows -> d, dmin (N, nb), q (N, nb, 256) 0..3, sc, mn (N, nb, 16)."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 84)
+    qs = k[..., 16:80].reshape(k.shape[0], K // 256, 2, 1, 32).astype(np.int32)
+    q = ((qs >> np.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(k.shape[0], K // 256, 256)
+    s = k[..., 0:16].astype(np.int32)
+    return _f16(k[..., 80:82]), _f16(k[..., 82:84]), q, s & 15, s >> 4
+
+
+def unpack_q3_k(raw, K):
+    """GGUF Q3_K rows -> d (N, nb), q (N, nb, 256) -4..3, sc (N, nb, 16) -32..31."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 110)
+    N, nb = k.shape[0], K // 256
+    qs = k[..., 32:96].reshape(N, nb, 2, 1, 32).astype(np.int32)
+    low = ((qs >> np.array([0, 2, 4, 6]).reshape(4, 1)) & 3).reshape(N, nb, 256)
+    hi = ((k[..., None, 0:32].astype(np.int32) >> np.arange(8)[:, None]) & 1).reshape(N, nb, 256)
+    s = k[..., 96:108].astype(np.int32)
+    lo4 = np.concatenate([s[..., 0:8] & 15, s[..., 0:8] >> 4], -1)                        # (N, nb, 16)
+    hi2 = ((s[..., None, 8:12] >> (2 * np.arange(4))[:, None]) & 3).reshape(N, nb, 16)
+    return _f16(k[..., 108:110]), low + 4 * hi - 4, (lo4 | (hi2 << 4)) - 32
+
+
+def unpack_iq4_xs(raw, K):
+    """GGUF IQ4_XS rows -> d (N, nb), q (N, nb, 256) the levels, sc (N, nb, 8) -32..31."""
+    k = np.asarray(raw).view(np.uint8).reshape(-1, K // 256, 136)
+    N, nb = k.shape[0], K // 256
+    sh = k[..., 2].astype(np.int32) | (k[..., 3].astype(np.int32) << 8)
+    sl = k[..., 4:8].astype(np.int32)
+    c = np.arange(8)
+    ls = ((sl[..., c // 2] >> (4 * (c % 2))) & 15) | (((sh[..., None] >> (2 * c)) & 3) << 4)
+    qs = k[..., 8:136].reshape(N, nb, 8, 16).astype(np.int32)
+    q = IQ4_NL_VALUES.astype(np.int32)[np.concatenate([qs & 15, qs >> 4], -1)].reshape(N, nb, 256)
+    return _f16(k[..., 0:2]), q, ls - 32
+
+
+def _matmul_lanes_ref(d_w, dmin_w, w, sc16, mn16, d_x, xq, tiled: bool):
+    """The 8-lane K-quant kernels (kernels.cpu.qdot.lanes: Q2_K, Q3_K, IQ4_XS) against q8_K rows.
+    lane l = sum over the 8 chunks of sc16 * w * x at offsets 4l..4l+3; with minimums (mn16, Q2_K)
+    P lane l = mn[2l] bsum16[2l] + mn[2l+1] bsum16[2l+1]. vec_dot: acc = fma(-(d_x dmin_w), float(P),
+    acc), then acc = fma(d_x d_w, float(lane), acc), result hsum_float_8. tiled: res = d_w *
+    float(sum lanes), res = fma(-dmin_w, float(sum P), res), out = fma(res, d_x, out).
+    (M, K) x (N, K) -> (M, N)."""
+    M, K = xq.shape
+    N, nb = w.shape[0], K // 256
+    x = np.asarray(xq, np.int64).reshape(M, nb, 256)
+    acc = np.zeros((M, N) if tiled else (M, N, 8), np.float32)
+    for b in range(nb):
+        prod = w[None, :, b, :].astype(np.int64) * x[:, None, b, :] * np.repeat(sc16[:, b, :], 16, -1)[None]
+        lane = prod.reshape(M, N, 8, 8, 4).sum(-1).sum(2).astype(np.int32)               # (M, N, 8)
+        if mn16 is not None:
+            bs = x[:, b, :].reshape(M, 16, 16).sum(-1)                                   # (M, 16)
+            P = (bs[:, None, :] * mn16[None, :, b, :]).reshape(M, N, 8, 2).sum(-1).astype(np.int32)
+        if tiled:
+            res = (d_w[None, :, b] * lane.sum(-1).astype(np.int32).astype(np.float32)).astype(np.float32)
+            if mn16 is not None:
+                res = fma32(np.broadcast_to(-dmin_w[None, :, b], res.shape), P.sum(-1).astype(np.float32), res)
+            acc = fma32(res, np.broadcast_to(d_x[:, None, b], res.shape), acc)
+        else:
+            if mn16 is not None:
+                dm = -(d_x[:, None, b] * dmin_w[None, :, b]).astype(np.float32)
+                acc = fma32(dm[..., None], P.astype(np.float32), acc)
+            d = (d_x[:, None, b] * d_w[None, :, b]).astype(np.float32)
+            acc = fma32(d[..., None], lane.astype(np.float32), acc)
+    return acc if tiled else hsum8_ref(acc)
+
+
+def matmul_q2_k_ref(unpacked, d_x, xq, tiled: bool):
+    """Q2_K (ggml_vec_dot_q2_K_q8_K below 8 rows, tiled_run_microtile_avx2<16, true, 0, false> from 8)."""
+    d_w, dmin_w, q, sc, mn = unpacked
+    return _matmul_lanes_ref(d_w, dmin_w, q, sc, mn, d_x, xq, tiled)
+
+
+def matmul_q3_k_ref(unpacked, d_x, xq, tiled: bool):
+    """Q3_K (ggml_vec_dot_q3_K_q8_K below 8 rows, tiled_run_microtile_avx2<16, false, 4, true> from 8)."""
+    d_w, q, sc = unpacked
+    return _matmul_lanes_ref(d_w, None, q, sc, None, d_x, xq, tiled)
+
+
+def matmul_iq4_xs_ref(unpacked, d_x, xq, tiled: bool):
+    """IQ4_XS (ggml_vec_dot_iq4_xs_q8_K below 8 rows, tiled_run_microtile_avx2<32, false, 128, false> from 8)."""
+    d_w, q, sc = unpacked
+    return _matmul_lanes_ref(d_w, None, q, np.repeat(sc, 2, -1), None, d_x, xq, tiled)
 
 
 def random_quantized(ggml_type: int, n_rows: int, n_cols: int, rng: np.random.Generator) -> np.ndarray:

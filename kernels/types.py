@@ -24,9 +24,10 @@ IQ4_NL, IQ4_XS = int(_G.IQ4_NL), int(_G.IQ4_XS)
 # (ggml-common.h kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
-# the activation types of llama.cpp's integer dot products (q8_0 stands for q8_1 too: the same values,
-# with one more field that kernels.cpu.qdot computes for every q8_0 row)
-ACT_Q8_0, ACT_Q8_K = 0, 1
+# the activation types of llama.cpp's dot products (q8_0 stands for q8_1 too: the same values, with one
+# more field that kernels.cpu.qdot computes for every q8_0 row); the float weights' are float rows
+# rounded to the weight's type
+ACT_Q8_0, ACT_Q8_K, ACT_F32, ACT_F16, ACT_BF16 = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class TypeTraits:
     name: str
     block: int                   # elements per block
     size: int                    # bytes per block
-    vec_dot: int | None = None   # ACT_Q8_0 / ACT_Q8_K: llama.cpp's exact integer path; None: float kernels
+    vec_dot: int | None = None   # ACT_*: the activation of llama.cpp's exact path; None: the float kernels
     x8: bool = False             # exact layout: groups of 8 interleaved rows (a repack, cached on disk);
                                  # False with vec_dot: the GGUF rows themselves
     rows8: bool = False          # exact only for a multiple of 8 rows: llama.cpp repacks such a matrix
@@ -58,8 +59,10 @@ class TypeTraits:
 # (activation type, x8 layout, exact only for a multiple of 8 rows)
 _EXACT = {Q5_0: (ACT_Q8_0, True, False), Q8_0: (ACT_Q8_0, True, False), Q4_0: (ACT_Q8_0, True, True),
           IQ4_NL: (ACT_Q8_0, True, True), Q4_1: (ACT_Q8_0, True, False), Q5_1: (ACT_Q8_0, True, False),
-          Q4_K: (ACT_Q8_K, True, True), Q5_K: (ACT_Q8_K, False, False), Q6_K: (ACT_Q8_K, False, False)}
-_SUPPORTED = {F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL}
+          Q4_K: (ACT_Q8_K, True, True), Q5_K: (ACT_Q8_K, False, False), Q6_K: (ACT_Q8_K, False, False),
+          F32: (ACT_F32, False, False), F16: (ACT_F16, False, False), BF16: (ACT_BF16, False, False),
+          Q3_K: (ACT_Q8_K, False, False), Q2_K: (ACT_Q8_K, False, False), IQ4_XS: (ACT_Q8_K, False, False)}
+_SUPPORTED = {F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS}
 
 TRAITS: dict[int, TypeTraits] = {
     int(t): TypeTraits(int(t), t.name, int(block), int(size), *_EXACT.get(int(t), (None, False, False)),
@@ -77,7 +80,7 @@ for _t in TRAITS.values():
 
 # the activation llama.cpp's matmul feeds each quantized type (kernels.cpu.activations rounds to it)
 Q8_0_ACTIVATION_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL})
-Q8_K_ACTIVATION_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})
+Q8_K_ACTIVATION_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS})
 
 
 def type_name(ggml_type: int) -> str:

@@ -23,7 +23,7 @@ from kernels.cpu import qdot
 from kernels.cpu.qdot import EXACT_TYPES, Int8Rows
 from kernels.types import IQ4_NL_VALUES, TRAITS
 from kernels.cpu.quant import (
-    BF16, F16, F16_LUT, F32, IQ4_NL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+    BF16, F16, F16_LUT, F32, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
     GGML_BLOCK, SUPPORTED_TYPES, TYPE_NAMES, bits_f32, dequantize_rows, i8_f32, repack,
 )
 
@@ -371,9 +371,81 @@ def _gemv_q6_k(d, sc, ql, qh, x, sx16, sx32, out):
             out[r] = tot - np.float32(32.0) * off
 
 
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_q2_k(d, dmin, sc, qs, x, sx16, sx32, out):
+    # layout: see quant._deq_q2_k. Per 16 elements one scale and one minimum (folded out with sx16).
+    N, nb = d.shape
+    for ch in prange((N + ROWS - 1) // ROWS):
+        for r in range(ch * ROWS, min(N, ch * ROWS + ROWS)):
+            tot = _F0
+            off = _F0
+            for b in range(nb):
+                bs = _F0
+                ms = _F0
+                for j in range(16):
+                    v = sc[r, b * 16 + j]
+                    o = b * 64 + (j // 8) * 32 + (j % 2) * 16
+                    q = qs[r, o:o + 16]
+                    xb = x[b * 256 + j * 16:b * 256 + j * 16 + 16]
+                    sh = 2 * ((j % 8) // 2)
+                    t = _F0
+                    for l in range(16):
+                        t += np.float32((q[l] >> sh) & 3) * xb[l]
+                    bs += np.float32(v & 15) * t
+                    ms += np.float32(v >> 4) * sx16[b * 16 + j]
+                tot += d[r, b] * bs
+                off += dmin[r, b] * ms
+            out[r] = tot - off
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_q3_k(d, sc, hm, qs, x, sx16, sx32, out):
+    # layout: see quant._deq_q3_k. q = (low | bit << 2) - 4: the -4 folded out with sx16.
+    N, nb = d.shape
+    for ch in prange((N + ROWS - 1) // ROWS):
+        for r in range(ch * ROWS, min(N, ch * ROWS + ROWS)):
+            tot = _F0
+            for b in range(nb):
+                bs = _F0
+                for j in range(16):
+                    o = (j // 8) * 32 + (j % 2) * 16
+                    q = qs[r, b * 64 + o:b * 64 + o + 16]
+                    h = hm[r, b * 32 + (j % 2) * 16:b * 32 + (j % 2) * 16 + 16]
+                    xb = x[b * 256 + j * 16:b * 256 + j * 16 + 16]
+                    sl = 2 * ((j % 8) // 2)
+                    sb = (j // 8) * 4 + (j % 8) // 2
+                    t = _F0
+                    for l in range(16):
+                        t += np.float32(((q[l] >> sl) & 3) | (((h[l] >> sb) & 1) << 2)) * xb[l]
+                    bs += np.float32(sc[r, b * 16 + j]) * (t - np.float32(4.0) * sx16[b * 16 + j])
+                tot += d[r, b] * bs
+            out[r] = tot
+
+
+@njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
+def _gemv_iq4_xs(d, sc, qs, x, sx16, sx32, out):
+    """IQ4_NL's gemv with a 6-bit scale per 32 elements."""
+    N, nb = d.shape
+    for ch in prange((N + ROWS - 1) // ROWS):
+        for r in range(ch * ROWS, min(N, ch * ROWS + ROWS)):
+            tot = _F0
+            for b in range(nb):
+                bs = _F0
+                for c in range(8):
+                    q = qs[r, b * 128 + c * 16:b * 128 + c * 16 + 16]
+                    xb = x[b * 256 + c * 32:b * 256 + c * 32 + 32]
+                    s = _F0
+                    for l in range(16):
+                        s += _IQ4_NL_F32[q[l] & 15] * xb[l] + _IQ4_NL_F32[q[l] >> 4] * xb[16 + l]
+                    bs += np.float32(sc[r, b * 8 + c]) * s
+                tot += d[r, b] * bs
+            out[r] = tot
+
+
 _GEMV = {
     F32: _gemv_f32, F16: _gemv_f16, BF16: _gemv_bf16, Q4_0: _gemv_q4_0, Q4_1: _gemv_q4_1, Q5_0: _gemv_q5_0,
     Q5_1: _gemv_q5_1, Q8_0: _gemv_q8_0, Q4_K: _gemv_q4_k, Q5_K: _gemv_q5_k, Q6_K: _gemv_q6_k, IQ4_NL: _gemv_iq4_nl,
+    Q2_K: _gemv_q2_k, Q3_K: _gemv_q3_k, IQ4_XS: _gemv_iq4_xs,
 }
 _GEMV_SERIAL = {t: serial_twin(k) for t, k in _GEMV.items()}
 # weights smaller than this (e.g. a 128x896 k_proj) are read on the calling thread

@@ -16,8 +16,8 @@ from numba.extending import intrinsic
 
 from kernels.cpu import ops
 from kernels.cpu.ops import serial_twin
-from kernels.types import (BF16, F16, F32, IQ4_NL, IQ4_NL_VALUES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED,
-                           TRAITS)
+from kernels.types import (BF16, F16, F32, IQ4_NL, IQ4_NL_VALUES, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+                           Q5_K, Q6_K, Q8_0, SUPPORTED, TRAITS)
 
 # views of the type table (kernels.types): type id -> (elements per block, bytes per block), names
 GGML_BLOCK: dict[int, tuple[int, int]] = {t: (tr.block, tr.size) for t, tr in TRAITS.items()}
@@ -139,7 +139,31 @@ def repack(raw: np.ndarray, ggml_type: int, n_cols: int) -> tuple[np.ndarray, ..
         return _f16(k[..., 0:2]), _f16(k[..., 2:4]), sc, mn, _u8(k[..., 16:48]), _u8(k[..., 48:176])
     if ggml_type == Q6_K:
         return _f16(k[..., 208:210]), _u8(k[..., 192:208]).view(np.int8), _u8(k[..., 0:128]), _u8(k[..., 128:192])
+    if ggml_type == Q2_K:                 # scale bytes as stored (low nibble scale, high minimum)
+        return _f16(k[..., 80:82]), _f16(k[..., 82:84]), _u8(k[..., 0:16]), _u8(k[..., 16:80])
+    if ggml_type == Q3_K:
+        return _f16(k[..., 108:110]), _q3_k_scales(k[..., 96:108]), _u8(k[..., 0:32]), _u8(k[..., 32:96])
+    if ggml_type == IQ4_XS:
+        return _f16(k[..., 0:2]), _iq4_xs_scales(k[..., 2:8]), _u8(k[..., 8:136])
     raise NotImplementedError(TYPE_NAMES.get(ggml_type, ggml_type))
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K packed 6-bit scales (N, nb, 12) -> (N, nb*16) int8, -32..31: scale j has low 4 bits
+    from nibble j // 8 of byte j % 8, high 2 bits at shift 2*(j // 4) of byte 8 + j % 4."""
+    s = s.astype(np.int16)
+    lo = np.concatenate([s[..., 0:8] & 15, s[..., 0:8] >> 4], -1)
+    hi = (s[..., None, 8:12] >> (2 * np.arange(4, dtype=np.int16))[:, None]) & 3
+    return _u8((lo | (hi.reshape(lo.shape) << 4)) - 32).astype(np.int8)
+
+
+def _iq4_xs_scales(s: np.ndarray) -> np.ndarray:
+    """IQ4_XS scales_h (u16) + scales_l[4] (N, nb, 6) -> (N, nb*8) int8, -32..31."""
+    s = s.astype(np.int16)
+    c = np.arange(8)
+    sh = s[..., 0] | (s[..., 1] << 8)
+    ls = ((s[..., 2 + c // 2] >> (4 * (c % 2))) & 15) | (((sh[..., None] >> (2 * c)) & 3) << 4)
+    return _u8(ls - 32).astype(np.int8)
 
 
 # --- exact dequantization of selected rows -------------------------------------------------
@@ -304,6 +328,52 @@ def _deq_q6_k(d, sc, ql, qh, rows, out):
                         out[i, b * 256 + e] = scale * np.float32(q)
 
 
+@njit(parallel=True, cache=True, error_model="numpy")
+def _deq_q2_k(d, dmin, sc, qs, rows, out):
+    # element e = b*256 + h*128 + s*32 + l: 2 bits at shift 2s of qs[b*64 + h*32 + l]; scale and
+    # minimum of e // 16 (gguf-py: (d*sc)*q - dmin*mn)
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        for b in range(d.shape[1]):
+            for j in range(16):
+                v = sc[r, b * 16 + j]
+                dl = d[r, b] * np.float32(v & 15)
+                ml = dmin[r, b] * np.float32(v >> 4)
+                h, s, l0 = j // 8, (j % 8) // 2, (j % 2) * 16
+                for l in range(16):
+                    q = (qs[r, b * 64 + h * 32 + l0 + l] >> (2 * s)) & 3
+                    out[i, b * 256 + j * 16 + l] = dl * np.float32(q) - ml
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _deq_q3_k(d, sc, hm, qs, rows, out):
+    # element e = b*256 + h*128 + s*32 + l: low 2 bits at shift 2s of qs[b*64 + h*32 + l], third bit
+    # bit 4h + s of hm[b*32 + l] (clear: -4); scale e // 16 (gguf-py: (d*sc)*q)
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        for b in range(d.shape[1]):
+            for j in range(16):
+                dl = d[r, b] * np.float32(sc[r, b * 16 + j])
+                h, s, l0 = j // 8, (j % 8) // 2, (j % 2) * 16
+                for l in range(16):
+                    q = np.int32((qs[r, b * 64 + h * 32 + l0 + l] >> (2 * s)) & 3)
+                    q += 4 * np.int32((hm[r, b * 32 + l0 + l] >> (4 * h + s)) & 1) - 4
+                    out[i, b * 256 + j * 16 + l] = dl * np.float32(q)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _deq_iq4_xs(d, sc, qs, rows, out):
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        for b in range(d.shape[1]):
+            for c in range(8):
+                dl = d[r, b] * np.float32(sc[r, b * 8 + c])
+                for l in range(16):
+                    v = qs[r, b * 128 + c * 16 + l]
+                    out[i, b * 256 + c * 32 + l] = dl * np.float32(IQ4_NL_VALUES[v & 15])
+                    out[i, b * 256 + c * 32 + 16 + l] = dl * np.float32(IQ4_NL_VALUES[v >> 4])
+
+
 def dequantize_rows(packed: tuple[np.ndarray, ...], ggml_type: int, n_cols: int, rows: np.ndarray) -> np.ndarray:
     """Rows `rows` of a repacked matrix -> float32 (len(rows), n_cols)."""
     rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
@@ -324,6 +394,7 @@ def dequantize_rows(packed: tuple[np.ndarray, ...], ggml_type: int, n_cols: int,
 _DEQ = {
     F32: _deq_f32, F16: _deq_f16, BF16: _deq_bf16, Q4_0: _deq_q4_0, Q4_1: _deq_q4_1, Q5_0: _deq_q5_0,
     Q5_1: _deq_q5_1, Q8_0: _deq_q8_0, Q4_K: _deq_q4_k, Q5_K: _deq_q5_k, Q6_K: _deq_q6_k, IQ4_NL: _deq_iq4_nl,
+    Q2_K: _deq_q2_k, Q3_K: _deq_q3_k, IQ4_XS: _deq_iq4_xs,
 }
 _DEQ_SERIAL = {t: serial_twin(k) for t, k in _DEQ.items()}
 

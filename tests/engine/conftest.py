@@ -25,11 +25,14 @@ GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
-QUANT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+               "Q3_K", "Q2_K", "IQ4_XS"]
 
 # f16 scale fields (byte ranges) that must hold finite, small values, of the types gguf-py cannot quantize
-_K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2)}
-_K_SCALE = {"Q4_K": (2e-3, 6e-3), "Q5_K": (1e-3, 3e-3), "Q6_K": (1e-3, 4e-3), "IQ4_NL": (1e-3, 3e-3)}
+_K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2),
+          "Q3_K": (108, 110), "Q2_K": (80, 84), "IQ4_XS": (0, 2)}
+_K_SCALE = {"Q4_K": (2e-3, 6e-3), "Q5_K": (1e-3, 3e-3), "Q6_K": (1e-3, 4e-3), "IQ4_NL": (1e-3, 3e-3),
+            "Q3_K": (3e-3, 9e-3), "Q2_K": (1e-2, 3e-2), "IQ4_XS": (1e-4, 4e-4)}   # weights' std about 0.25
 
 
 def vocab() -> tuple[list[str], list[float], list[int]]:

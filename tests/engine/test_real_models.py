@@ -97,7 +97,8 @@ def test_native_tracks_llama_cpp(engines):
     assert tf_rows >= 0.98 * total, summary
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "IQ4_NL", "Q5_K_M"])
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "IQ4_NL", "Q5_K_M", "F16", "BF16",
+                                   "Q3_K_M", "Q2_K", "IQ4_XS"])
 def test_requantized_registry_model_is_bit_exact(ftype, qwen_path):
     """The default model requantized by llama.cpp's own quantizer to other common file types (each
     mixes types: IQ4_NL files hold Q5_1 and Q5_K, Q5_K_M ones Q6_K): logits_all bit for bit

@@ -2,7 +2,7 @@
 
 - The float path (every type: gemv, gemm, rows) against float64 products of gguf-py's
   dequantized weights, within bounds derived from its summation order.
-- The exact int8 path (Q5_0, Q8_0, Q4_0, IQ4_NL, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K) against the numpy models of llama.cpp's AVX2
+- The exact int8 path (Q5_0, Q8_0, Q4_0, IQ4_NL, Q4_1, Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS) against the numpy models of llama.cpp's AVX2
   kernels in kernels.reference, bit for bit, over the row counts where llama.cpp changes kernel.
 """
 import numpy as np
@@ -138,6 +138,12 @@ EXACT = sorted(t for t, tr in TRAITS.items() if tr.exact)
 def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
     """The numpy model of llama.cpp's kernel for each run of rows."""
     out = np.empty((rows.n_rows, raw.shape[0]), np.float32)
+    if ggml_type in (T.F32, T.F16, T.BF16):
+        w = dequantize_ref(raw, ggml_type, n_cols)
+        for r0, n, batched in runs:
+            tiny = batched and n >= 2 and w.shape[0] % 4 == 0      # llama.cpp's sgemm
+            out[r0:r0 + n] = ref.matmul_dense_ref(w, rows.xf[r0:r0 + n], ggml_type, tiny)
+        return out
     if ggml_type in (T.Q5_0, T.Q8_0):
         d, w = (ref.unpack_q8_0 if ggml_type == T.Q8_0 else ref.unpack_q5_0)(raw, n_cols)
         return ref.matmul_q0_ref(d, w, rows.dx, rows.xq)
@@ -147,7 +153,8 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
     if ggml_type in (T.Q4_0, T.IQ4_NL):
         d, w = (ref.unpack_q4_0 if ggml_type == T.Q4_0 else ref.unpack_iq4_nl)(raw, n_cols)
         return ref.matmul_q4_0_8x8_ref(d, w, rows.dx, rows.xq)
-    unpack = {T.Q4_K: ref.unpack_q4_k, T.Q5_K: ref.unpack_q5_k, T.Q6_K: ref.unpack_q6_k}[ggml_type]
+    unpack = {T.Q4_K: ref.unpack_q4_k, T.Q5_K: ref.unpack_q5_k, T.Q6_K: ref.unpack_q6_k, T.Q2_K: ref.unpack_q2_k,
+              T.Q3_K: ref.unpack_q3_k, T.IQ4_XS: ref.unpack_iq4_xs}[ggml_type]
     unpacked = unpack(raw, n_cols)
     for r0, n, batched in runs:
         sl = slice(r0, r0 + n)
@@ -157,8 +164,9 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
             v = slice(r0 + n_gemm, r0 + n)
             out[g] = ref.matmul_q4_k_ref(unpacked, rows.dx[g], rows.xq[g], per_pair=True)
             out[v] = ref.matmul_q4_k_ref(unpacked, rows.dx[v], rows.xq[v], per_pair=False)
-        else:                      # Q5_K, Q6_K: tiled from 8 rows
-            model = ref.matmul_q5_k_ref if ggml_type == T.Q5_K else ref.matmul_q6_k_ref
+        else:                      # Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS: tiled from 8 rows
+            model = {T.Q5_K: ref.matmul_q5_k_ref, T.Q6_K: ref.matmul_q6_k_ref, T.Q2_K: ref.matmul_q2_k_ref,
+                     T.Q3_K: ref.matmul_q3_k_ref, T.IQ4_XS: ref.matmul_iq4_xs_ref}[ggml_type]
             out[sl] = model(unpacked, rows.dx[sl], rows.xq[sl], tiled=batched and n >= 8)
     return out
 
@@ -275,6 +283,8 @@ def test_activation_quantizers_equal_llama_cpp_model(x_scale):
     np.testing.assert_array_equal(bs16, s16)
     s32 = s16.reshape(5, -1, 2).sum(-1)
     np.testing.assert_array_equal(bsp, (s32[:, 0::2] & 0xFFFF) | (s32[:, 1::2] << 16))
+    for t in (T.F32, T.F16, T.BF16):             # the float weights' activations: rounded to their type
+        np.testing.assert_array_equal(Int8Rows(x, TRAITS[t].vec_dot).xf, ref.round_activation_ref(x, t))
 
 
 def test_exact_kernels_exist_on_this_cpu():

@@ -22,12 +22,16 @@ each float step depends on the kernel it picks, so we reproduce each one (read f
   the minimums apart: summs = fma(-(d_x*dmin_w), float(M), summs), result hsum_float_8 + summs);
   8 rows or more: the tiled kernel (res = d_w*float(S) - dmin_w*float(M) in one fma, then
   out = fma(res, d_x, out)).
+- Q2_K, Q3_K, IQ4_XS (not repacked on x86 either; one skeleton, lanes): fewer than 8 rows: their
+  vec_dot (8 lanes as Q6_K; Q2_K's minimums as 8 more lanes, acc = fma(-(d_x*dmin_w), float(P), acc)
+  before the scales' fma); 8 rows or more: the tiled kernel (d_w*float(S), Q2_K fnmadd of the
+  minimums, then out = fma(res, d_x, out)).
 
 Each kernel here gives every output exactly those float operations, so the results equal
 llama.cpp's bit for bit while the work is organised for this machine: decode streams every
 weight byte once per token, a prompt reuses each unpacked weight panel for all its rows.
 
-One module per type family (q0: Q8_0, Q5_0, Q4_0 and IQ4_NL; q4_k, q5_k, q6_k) and one for the activations (act);
+One module per type family (q0: Q8_0, Q5_0, Q4_0 and IQ4_NL; q4_k, q5_k, q6_k; q2_k, q3_k, iq4_xs on lanes) and one for the activations (act);
 this one holds what every family shares: the layouts' builder, the run arrays, and the dispatch
 (matmul from Python, matmul_row inside compiled code).
 """
@@ -39,19 +43,25 @@ import numpy as np
 from numba import njit
 
 from kernels import types as T
-from kernels.cpu.qdot.act import _quantize_q8_0_serial, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k
+from kernels.cpu.qdot.act import (_quantize_q8_0_serial, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k,
+                                  round_activation)
 from kernels.cpu.qdot.common import NB_PAD
+from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
 from kernels.cpu.qdot.q0 import PANEL_MR, _bias_groups, _q0_x8_rows, _q5_0_prompt, repack_q0_x8
 from kernels.cpu.qdot.q4_k import _q4_k_rows, repack_q4_k_x8
+from kernels.cpu.qdot.iq4_xs import _iq4_xs_rows
+from kernels.cpu.qdot.q2_k import _q2_k_rows
+from kernels.cpu.qdot.q3_k import _q3_k_rows
 from kernels.cpu.qdot.q5_k import _q5_k_rows
 from kernels.cpu.qdot.q6_k import _q6_k_rows
 from kernels.cpu.simd import HAS_AVX2
-from kernels.types import ACT_Q8_0, ACT_Q8_K, TRAITS
+from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS
 
 
 class Int8Rows:
-    """Activation rows quantized once for one vec-dot type (types.ACT_Q8_0 or ACT_Q8_K) and shared by
-    every matrix that reads the same x (q/k/v, gate/up); the kernel-specific forms are derived on demand."""
+    """Activation rows quantized (or, for the float weights, rounded) once for one vec-dot type
+    (types.ACT_*) and shared by every matrix that reads the same x (q/k/v, gate/up); the
+    kernel-specific forms are derived on demand."""
 
     def __init__(self, x: np.ndarray, kind: int):
         x = np.ascontiguousarray(x, np.float32)
@@ -60,13 +70,16 @@ class Int8Rows:
             self.xq, self.dx, self.sx, self.s1 = quantize_q8_0(x)
         elif kind == ACT_Q8_K:
             self.xq, self.dx, self.bs16, self.bsp = quantize_q8_k(x)
+        elif kind in (ACT_F32, ACT_F16, ACT_BF16):
+            self.xf = np.empty_like(x)
+            round_activation(x, kind, self.xf)
         else:
             raise ValueError(f"unknown activation type {kind!r}")
         self._derived: dict = {}
 
     @property
     def n_rows(self) -> int:
-        return self.xq.shape[0]
+        return (self.xf if self.kind >= ACT_F32 else self.xq).shape[0]
 
     def biased_groups(self):
         """(xb, dxb) for the Q5_0 panel kernel (see _bias_groups)."""
@@ -92,7 +105,8 @@ def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> n
     Q5_0 padded to a multiple of 8 rows, the types llama.cpp repacks (Q4_0, IQ4_NL, Q4_K) only if they
     have one (llama.cpp does not repack such a matrix either, and its other kernel is not reproduced
     here), Q5_K and Q6_K rows in place; None where no exact kernel applies."""
-    if ggml_type not in EXACT_TYPES or (TRAITS[ggml_type].rows8 and n_rows % 8):
+    if ggml_type not in EXACT_TYPES or (TRAITS[ggml_type].rows8 and n_rows % 8) or \
+            (ggml_type in DENSE_TYPES and n_cols % 32):
         return None
     if ggml_type == T.Q4_K:
         return repack_q4_k_x8(raw, n_cols)
@@ -137,11 +151,22 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     M = rows.n_rows
     traits = TRAITS[ggml_type]
     w = traits.layout_prefix(layout, n_out)                     # the rows (or 8-row groups) needed
+    tiny_ok = ggml_type in DENSE_TYPES and layout.shape[0] % TINY_MR == 0
+    if tiny_ok:                                # tinyBLAS's tiles of the whole matrix stay whole
+        w = layout[:-(-n_out // TINY_MR) * TINY_MR]
     out = np.empty((M, traits.layout_rows(w)), np.float32)
-    if ggml_type == T.Q6_K:
+    if ggml_type in DENSE_TYPES:
+        _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
+    elif ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_K:
         _q5_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
+    elif ggml_type == T.Q3_K:
+        _q3_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
+    elif ggml_type == T.Q2_K:
+        _q2_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
+    elif ggml_type == T.IQ4_XS:
+        _iq4_xs_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q4_K:
         _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
@@ -155,8 +180,8 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
 # --- rows into preallocated buffers (the fused decode layer, kernels.cpu.fused) -----------------
 
 class Q8Buffers(NamedTuple):
-    """R activation rows' quantized forms for both vec-dot types, allocated once and reused by
-    every decode step (a typed bundle for compiled code)."""
+    """R activation rows' forms for every vec-dot type, allocated once and reused by every decode
+    step (a typed bundle for compiled code)."""
     xq: np.ndarray       # (R, K) int8
     dx0: np.ndarray      # (R, K/32) float32: q8_0 scales
     sx: np.ndarray       # (R, K/4) int32: q8_0 4-group sums x 16
@@ -164,22 +189,26 @@ class Q8Buffers(NamedTuple):
     dxk: np.ndarray      # (R, max(1, K/256)) float32: q8_K scales
     bs16: np.ndarray     # (R, K/16) int16: q8_K 16-element sums
     bsp: np.ndarray      # (R, max(1, K/64)) int32: q8_K paired 32-element sums
+    xf: np.ndarray       # (R, K) float32: the rows rounded for F32 / F16 / BF16 weights
 
     @staticmethod
     def alloc(R: int, K: int) -> "Q8Buffers":
         return Q8Buffers(np.empty((R, K), np.int8), np.empty((R, K // 32), np.float32),
                          np.empty((R, K // 4), np.int32), np.empty((R, K // 32), np.float32),
                          np.empty((R, max(1, K // 256)), np.float32),
-                         np.empty((R, K // 16), np.int16), np.empty((R, max(1, K // 64)), np.int32))
+                         np.empty((R, K // 16), np.int16), np.empty((R, max(1, K // 64)), np.int32),
+                         np.empty((R, K), np.float32))
 
 
 @njit(cache=True, error_model="numpy")
 def quantize_into(h, kind, q):
-    """Quantize rows h (R, K) for a vec-dot type (kind: types.ACT_Q8_0 or ACT_Q8_K) into q (Q8Buffers)."""
+    """Quantize (round) rows h (R, K) for a vec-dot type (kind: types.ACT_*) into q (Q8Buffers)."""
     if kind == ACT_Q8_0:
         _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx, q.s1)
-    else:
+    elif kind == ACT_Q8_K:
         _quantize_q8_k_serial(h, q.xq, q.dxk, q.bs16, q.bsp)
+    else:
+        round_activation(h, kind, q.xf)
 
 
 @njit(cache=True, error_model="numpy")
@@ -188,10 +217,18 @@ def matmul_row(layout, ggml_type, q, runs, out):
     layout), inside compiled code: the dispatch over the exact types, written once. runs: the three
     arrays of run_arrays."""
     run_start, run_len, run_batched = runs
-    if ggml_type == T.Q6_K:
+    if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
+        _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
+    elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:
         _q5_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q3_K:
+        _q3_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q2_K:
+        _q2_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
+    elif ggml_type == T.IQ4_XS:
+        _iq4_xs_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q4_K:
         _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
     else:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.ops import f16_bits, f16_value, serial_twin
+from kernels.cpu.ops import f16_bits, f16_value, f32_bits, f32_of_bits, serial_twin
+from kernels.types import ACT_BF16, ACT_F16
 
 # --- activation rows, quantized as llama.cpp's matmul quantizes them ------------------------------
 
@@ -82,6 +83,22 @@ def _quantize_q8_k(x, xq, dx, bs16, bsp):
                 lo = np.int32(bs16[m, b * 16 + 4 * c]) + np.int32(bs16[m, b * 16 + 4 * c + 1])
                 hi = np.int32(bs16[m, b * 16 + 4 * c + 2]) + np.int32(bs16[m, b * 16 + 4 * c + 3])
                 bsp[m, b * 4 + c] = (lo & 0xFFFF) | (hi << 16)
+
+
+@njit(cache=True, error_model="numpy")
+def round_activation(x, kind, out):
+    """x (M, K) float32 -> out: the values llama.cpp's matmul converts them to for F32 (as they are),
+    F16 (nearest f16, ties to even) and BF16 (nearest bf16, ties to even) weights."""
+    for m in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            v = x[m, i]
+            if kind == ACT_F16:
+                v = f16_value(f16_bits(v))
+            elif kind == ACT_BF16:
+                u = np.int64(f32_bits(v)) & 0xFFFFFFFF
+                r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+                v = f32_of_bits(np.int32(r - (r >> 31 << 32)))          # back to a signed 32-bit pattern
+            out[m, i] = v
 
 
 _quantize_q8_0_serial = serial_twin(_quantize_q8_0)

@@ -1,0 +1,183 @@
+"""F32, F16 and BF16 weights times float activation rows, llama.cpp's numbers bit for bit.
+
+llama.cpp's matmul first converts the activation row to the weight type's vec-dot type (F16 and
+BF16 weights: the activations rounded to f16 / bf16; F32: as they are), then:
+- a llama.cpp batch of 2 rows or more, with a multiple of 4 weight rows (tinyBLAS, llamafile's
+  sgemm; AVX2: 8 float lanes): per output one 8-lane chain acc = fma(w[l..l+8], x[l..l+8], acc) over
+  K in steps of 8, then tinyBLAS's hsum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7));
+- one row (or a weight matrix tinyBLAS refuses): ggml_vec_dot_f32 / _f16 / _bf16: four 8-lane
+  accumulators, accumulator j taking elements 32i+8j .. 32i+8j+7 (one fma each; the BF16 kernel's
+  `c += a * b` is contracted into one by the compiler, as its disassembly shows), then F32 / F16:
+  GGML_F32x8_REDUCE, (s0+s2)+(s1+s3) and (t0+t1)+(t2+t3) of t_k = e_k+e_{k+4}; BF16:
+  (c0+c2)+(c1+c3) and hsum_float_8.
+Both need K % 32 == 0 here (vec_dot's scalar tail is not reproduced; every model dimension is a
+multiple of 32): kernels.cpu.qdot.exact_layout gives no exact layout otherwise.
+
+The activations come as float32 rows already holding the rounded values (act.round_activation);
+the weights are the GGUF rows in place, widened to float32 in registers (vcvtph2ps for F16, a
+16-bit shift for BF16).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels import types as T
+from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
+from kernels.cpu.simd import (
+    V8F, V8H, V8I, array, byte_ptr, c64, fma, hsum8, i16, prefetch, reduce4x8, vload,
+)
+
+_ELEM_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
+TINY_MR = 4          # weight rows per tinyBLAS tile (it needs a multiple of 4 weight rows)
+TINY_NR = 4          # activation rows per tile
+
+
+def _load_w8(builder, ggml_type: int, p):
+    """8 weights at byte pointer p, as float32 (V8F)."""
+    if ggml_type == T.F32:
+        return vload(builder, p, V8F)
+    if ggml_type == T.F16:
+        return builder.fpext(vload(builder, p, V8H), V8F)
+    raw = builder.zext(vload(builder, p, ir.VectorType(i16, 8)), V8I)
+    return builder.bitcast(builder.shl(raw, ir.Constant(V8I, [16] * 8)), V8F)
+
+
+def _dense_vec_dot_kernel(ggml_type: int):
+    """kern(w, n, x, m, out): out[m, n] = ggml_vec_dot_<type>(W row n, x row m); w (N, K*bytes)
+    uint8, x (M, K) float32, out (M, N) float32."""
+    eb = _ELEM_BYTES[ggml_type]
+
+    def kern(typingctx, w, n, x, m, out):
+        sig = types.void(w, n, x, m, out)
+
+        def codegen(context, builder, signature, args):
+            wa, _, xa, _, oa = (array(context, builder, signature.args[k], args[k]) if k in (0, 2, 4) else None
+                                for k in range(5))
+            nv, mv = args[1], args[3]
+            K = builder.extract_value(xa.shape, 1)
+            N = builder.extract_value(oa.shape, 1)
+            wrow = builder.gep(byte_ptr(builder, wa.data), [builder.mul(nv, builder.extract_value(wa.strides, 0))])
+            xrow = builder.gep(xa.data, [builder.mul(mv, K)])
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(4)]
+            with cgutils.for_range(builder, builder.udiv(K, c64(32))) as loop:
+                i = builder.mul(loop.index, c64(32))
+                wp = builder.gep(wrow, [builder.mul(i, c64(eb))])
+                prefetch(builder, builder.gep(wp, [c64(PREFETCH)]))
+                for j in range(4):
+                    wv = _load_w8(builder, ggml_type, builder.gep(wp, [c64(8 * j * eb)]))
+                    xv = vload(builder, builder.gep(xrow, [builder.add(i, c64(8 * j))]), V8F)
+                    builder.store(fma(builder, wv, xv, builder.load(acc[j])), acc[j])
+            s = [builder.load(a) for a in acc]
+            if ggml_type == T.BF16:
+                res = hsum8(builder, builder.fadd(builder.fadd(s[0], s[2]), builder.fadd(s[1], s[3])))
+            else:
+                res = reduce4x8(builder, s)
+            builder.store(res, builder.gep(oa.data, [builder.add(builder.mul(mv, N), nv)]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_vec_dot"
+    return intrinsic(kern)
+
+
+def _dense_tiny_kernel(ggml_type: int, MR: int, NR: int):
+    """kern(w, n0, x, m0, out): out[m0+j, n0+i] for i < MR, j < NR, tinyBLAS's numbers: one 8-lane
+    fma chain per output over K, then hsum. Each step widens MR weight vectors once for NR rows."""
+    eb = _ELEM_BYTES[ggml_type]
+
+    def kern(typingctx, w, n0, x, m0, out):
+        sig = types.void(w, n0, x, m0, out)
+
+        def codegen(context, builder, signature, args):
+            wa, _, xa, _, oa = (array(context, builder, signature.args[k], args[k]) if k in (0, 2, 4) else None
+                                for k in range(5))
+            n0v, m0v = args[1], args[3]
+            K = builder.extract_value(xa.shape, 1)
+            N = builder.extract_value(oa.shape, 1)
+            stride = builder.extract_value(wa.strides, 0)
+            wrows = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(n0v, c64(i)), stride)])
+                     for i in range(MR)]
+            xrows = [builder.gep(xa.data, [builder.mul(builder.add(m0v, c64(j)), K)]) for j in range(NR)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(MR)]
+                   for _ in range(NR)]
+            with cgutils.for_range(builder, builder.udiv(K, c64(8))) as loop:
+                l = builder.mul(loop.index, c64(8))
+                wv = [_load_w8(builder, ggml_type, builder.gep(r, [builder.mul(l, c64(eb))])) for r in wrows]
+                for j in range(NR):
+                    xv = vload(builder, builder.gep(xrows[j], [l]), V8F)
+                    for i in range(MR):
+                        builder.store(fma(builder, wv[i], xv, builder.load(acc[j][i])), acc[j][i])
+            for j in range(NR):
+                for i in range(MR):
+                    idx = builder.add(builder.mul(builder.add(m0v, c64(j)), N), builder.add(n0v, c64(i)))
+                    builder.store(hsum8(builder, builder.load(acc[j][i])), builder.gep(oa.data, [idx]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_tiny_{MR}x{NR}"
+    return intrinsic(kern)
+
+
+DENSE_TYPES = (T.F32, T.F16, T.BF16)
+f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t) for t in DENSE_TYPES)
+f32_tiny, f16_tiny, bf16_tiny = (_dense_tiny_kernel(t, TINY_MR, TINY_NR) for t in DENSE_TYPES)
+f32_tiny_1, f16_tiny_1, bf16_tiny_1 = (_dense_tiny_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
+
+
+@njit(inline="always")
+def _vec_dot(ggml_type, w, n, x, m, out):
+    if ggml_type == T.F32:
+        f32_vec_dot(w, n, x, m, out)
+    elif ggml_type == T.F16:
+        f16_vec_dot(w, n, x, m, out)
+    else:
+        bf16_vec_dot(w, n, x, m, out)
+
+
+@njit(inline="always")
+def _tiny(ggml_type, w, n0, x, m0, rows, out):
+    """tinyBLAS tiles for weight rows n0 .. n0+TINY_MR-1 and `rows` activation rows from m0."""
+    m = m0
+    while m + TINY_NR <= m0 + rows:
+        if ggml_type == T.F32:
+            f32_tiny(w, n0, x, m, out)
+        elif ggml_type == T.F16:
+            f16_tiny(w, n0, x, m, out)
+        else:
+            bf16_tiny(w, n0, x, m, out)
+        m += TINY_NR
+    while m < m0 + rows:
+        if ggml_type == T.F32:
+            f32_tiny_1(w, n0, x, m, out)
+        elif ggml_type == T.F16:
+            f16_tiny_1(w, n0, x, m, out)
+        else:
+            bf16_tiny_1(w, n0, x, m, out)
+        m += 1
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
+    """F32 / F16 / BF16 rows w (N, K*bytes) x float rows x (M, K) -> out (M, N): a batched run of 2
+    rows or more takes tinyBLAS's arithmetic if tiny_ok (the whole matrix has a multiple of 4 rows:
+    llama.cpp's sgemm takes it; then N is one too), every other row vec_dot's. Activation rows in
+    chunks that stay in L2; prange over weight rows."""
+    M, K = x.shape
+    N = w.shape[0]
+    chunk = max(TINY_NR, X_CHUNK_BYTES // (4 * K) // TINY_NR * TINY_NR)
+    for r in range(run_start.shape[0]):
+        r0, n = run_start[r], run_len[r]
+        if run_batched[r] and n >= 2 and tiny_ok:
+            for c0 in range(r0, r0 + n, chunk):
+                rows = min(r0 + n, c0 + chunk) - c0
+                for t in prange(N // TINY_MR):
+                    _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
+        else:
+            for row in prange(N):
+                for m in range(r0, r0 + n):
+                    _vec_dot(ggml_type, w, row, x, m, out)
