@@ -16,7 +16,10 @@ import sys
 
 ISA_ENV = "KVCHAT_ISA"
 CHOICES = ("native", "avx2")
-_BEYOND_AVX2 = ("avx512", "avxvnni", "avxifma", "avxneconvert", "amx")
+# x86-64-v3 is AVX2, FMA, F16C, BMI: what an AVX2-only CPU has. Beyond it: the AVX-512 family, the VEX
+# VNNI/IFMA extensions, AMX, and GFNI / VAES / VPCLMULQDQ (which LLVM uses for byte shuffles and
+# shifts; Zen 3 has no GFNI, Haswell none of the three)
+_BEYOND_AVX2 = ("avx512", "avxvnni", "avxifma", "avxneconvert", "amx", "gfni", "vaes", "vpclmulqdq")
 
 
 def chosen() -> str:
