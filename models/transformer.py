@@ -114,7 +114,7 @@ class Weights:
     """Tensors of a memory-mapped GGUF by name: matrices as QMatrix (kept quantized), vectors as float32.
 
     With `cache_dir`, the exact kernels' repacked layouts (8 rows interleaved, qdot) are saved there
-    on the first load and memory-mapped back on later ones; Q5_K and Q6_K are read in place."""
+    on the first load and memory-mapped back on later ones; the other exact types are read in place."""
 
     def __init__(self, g: GGUFFile, cache_dir: Path | None = None):
         self.g = g
@@ -179,7 +179,7 @@ class Weights:
         return self.vector(name) if name in self else None
 
 
-# The exact kernels' layouts that are repacks (worth caching on disk); Q5_K and Q6_K read the GGUF rows.
+# The exact kernels' layouts that are repacks (worth caching on disk); the others read the GGUF rows.
 REPACKED_TYPES = frozenset(t for t in EXACT_TYPES if TRAITS[t].x8)
 
 

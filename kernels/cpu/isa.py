@@ -1,13 +1,18 @@
 """The instruction set the CPU kernels are compiled for, chosen once, before numba compiles anything.
 
 numba's LLVM compiles for the CPU it runs on (AVX-512 on Zen 4/5, AVX2 on Zen 3), and torch's
-oneDNN/ATen (the bf16 prefill GEMM of the float types) dispatches on it too. `KVCHAT_ISA` forces
-the choice, so that tests can run every variant a machine can execute and a comparison can pin one:
+oneDNN/ATen (the bf16 prefill GEMM of the float path) dispatches on it too. The exact kernels'
+integer dot products take the widest unit the choice allows: vpdpbusd (VNNI) where it has one,
+vpmaddubsw + vpmaddwd otherwise. Both give the same integers (the kernels' operands never saturate
+vpmaddubsw's int16 pairs), so every variant computes the same bits. `KVCHAT_ISA` forces the choice,
+so that tests can run every variant a machine can execute and a comparison can pin one:
 
-- `native` (the default): every extension this CPU reports;
-- `avx2`: this CPU's features less AVX-512, AVX-VNNI and AMX, as an AVX2-only CPU (x86-64-v3) has.
+- `native` (the default): every extension this CPU reports; its variant is the best of the three;
+- `avx512vnni`: the same, and the CPU must have AVX-512 VNNI (vpdpbusd, EVEX, on 256-bit registers);
+- `avxvnni`: AVX2 plus AVX-VNNI (vpdpbusd, VEX: Alder Lake and later, Zen 5), nothing of AVX-512;
+- `avx2`: this CPU's features less everything beyond x86-64-v3, as an AVX2-only CPU (Zen 3) has.
 
-The exact kernels compute the same bits under either (tests/engine/test_cpu_variants.py runs both).
+tests/engine/test_cpu_variants.py runs the exactness suites under every variant this CPU executes.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import os
 import sys
 
 ISA_ENV = "KVCHAT_ISA"
-CHOICES = ("native", "avx2")
+CHOICES = ("native", "avx2", "avxvnni", "avx512vnni")
 # x86-64-v3 is AVX2, FMA, F16C, BMI: what an AVX2-only CPU has. Beyond it: the AVX-512 family, the VEX
 # VNNI/IFMA extensions, AMX, and GFNI / VAES / VPCLMULQDQ (which LLVM uses for byte shuffles and
 # shifts; Zen 3 has no GFNI, Haswell none of the three)
@@ -29,12 +34,34 @@ def chosen() -> str:
     return isa
 
 
-def avx2_features(host_features: str) -> str:
-    """LLVM's feature string of this CPU with every extension beyond AVX2 turned off."""
+def _host_features() -> dict[str, bool]:
+    from llvmlite import binding as llvm
+    return {k: bool(v) for k, v in llvm.get_host_cpu_features().items()}
+
+
+def executable(host: dict[str, bool] | None = None) -> list[str]:
+    """The variants this CPU can run, the widest first."""
+    host = _host_features() if host is None else host
+    out = []
+    if host.get("avx512vnni") and host.get("avx512vl"):
+        out.append("avx512vnni")
+    if host.get("avxvnni"):
+        out.append("avxvnni")
+    return out + ["avx2"]
+
+
+def variant() -> str:
+    """The kernels' variant in this process: avx512vnni, avxvnni or avx2 (what bench and the X-ray show)."""
+    isa = chosen()
+    return executable()[0] if isa == "native" else isa
+
+
+def avx2_features(host_features: str, keep: tuple[str, ...] = ()) -> str:
+    """LLVM's feature string of this CPU with every extension beyond AVX2 turned off (but `keep`)."""
     out = []
     for f in filter(None, host_features.split(",")):
         name = f[1:]
-        out.append(("-" + name) if name.startswith(_BEYOND_AVX2) else f)
+        out.append(("-" + name) if name.startswith(_BEYOND_AVX2) and name not in keep else f)
     return ",".join(out)
 
 
@@ -43,11 +70,14 @@ def apply() -> str:
     Returns the choice. numba reads its target at import; where it is imported already, its
     configuration is read again (nothing is compiled before the kernels' modules load)."""
     isa = chosen()
-    if isa == "avx2" and "NUMBA_CPU_FEATURES" not in os.environ:
+    if isa not in ("native", *executable()):
+        raise RuntimeError(f"{ISA_ENV}={isa}: this CPU cannot run it (it runs {', '.join(executable())})")
+    if isa in ("avx2", "avxvnni") and "NUMBA_CPU_FEATURES" not in os.environ:
         from llvmlite import binding as llvm
         os.environ["NUMBA_CPU_NAME"] = "x86-64-v3"
-        os.environ["NUMBA_CPU_FEATURES"] = avx2_features(llvm.get_host_cpu_features().flatten())
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+        keep = ("avxvnni",) if isa == "avxvnni" else ()
+        os.environ["NUMBA_CPU_FEATURES"] = avx2_features(llvm.get_host_cpu_features().flatten(), keep)
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI" if isa == "avxvnni" else "AVX2")
         os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
         if "numba" in sys.modules:
             from numba.core import config

@@ -11,8 +11,11 @@ from __future__ import annotations
 from llvmlite import binding as _llvm, ir
 from numba.core import cgutils
 
+from kernels.cpu import isa as _isa
+
 _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
+VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit registers (kernels.cpu.isa)
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 f16, f32 = ir.HalfType(), ir.FloatType()
@@ -83,6 +86,18 @@ def maddubs(builder, u8, s8):
 def madd16(builder, a, b):
     """vpmaddwd: int16 x int16 products, adjacent pairs summed into int32."""
     return call(builder, "llvm.x86.avx2.pmadd.wd", V8I, [a, b])
+
+
+def dot4(builder, u8, s8, acc=None):
+    """Per int32 lane the sum of its 4 u8 x s8 byte products (plus acc): one vpdpbusd where the chosen
+    ISA has VNNI, else vpmaddubsw + vpmaddwd (+ vpaddd). The same integers either way: callers keep
+    every pair of products within vpmaddubsw's int16 (they never saturate)."""
+    if VNNI:
+        zero = ir.Constant(V8I, [0] * 8)
+        return call(builder, "llvm.x86.avx512.vpdpbusd.256", V8I,
+                    [acc if acc is not None else zero, builder.bitcast(u8, V8I), builder.bitcast(s8, V8I)])
+    s = madd16(builder, maddubs(builder, u8, s8), vconst(V16S, 1))
+    return s if acc is None else builder.add(acc, s)
 
 
 def psign(builder, a, s):

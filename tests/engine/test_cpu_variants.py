@@ -3,8 +3,9 @@
 The rest of the suite runs with the choices this CPU makes by itself. What a CPU decides:
 - numpy's run-time SIMD dispatch (forced with NPY_DISABLE_CPU_FEATURES): an AVX-512 Zen 4/5 takes
   other float32 routines than an AVX2 Zen 3, which is how rope's theta_scale once went one ulp off;
-- the instruction set numba compiles the kernels for, and torch's oneDNN/ATen dispatch for the
-  float types' bf16 prefill GEMM (both forced with KVCHAT_ISA=avx2, see kernels/cpu/isa.py).
+- the instruction set numba compiles the kernels for, the exact kernels' variant (vpdpbusd with
+  AVX-512 VNNI or AVX-VNNI, vpmaddubsw + vpmaddwd with AVX2), and torch's oneDNN/ATen dispatch for
+  the float path's bf16 prefill GEMM (all forced with KVCHAT_ISA, see kernels/cpu/isa.py).
 
 Each variant below reruns, in a fresh process, the tests that compare with llama.cpp bit for bit
 (and within stated tolerances) through the whole model, plus the kernels' libm and op tests, which
@@ -48,6 +49,10 @@ def variants() -> dict[str, dict[str, str]]:
     if dispatch:
         # numpy at its compiled-in baseline (no run-time dispatch at all), the kernels as this CPU picks.
         out["numpy-baseline"] = {"NPY_DISABLE_CPU_FEATURES": " ".join(dispatch), "KVCHAT_ISA": "native"}
+    for variant in isa.executable()[1:-1]:
+        # the kernel variants between this CPU's own pick (the rest of the suite) and avx2 (above),
+        # e.g. AVX-VNNI on a CPU that also has AVX-512 VNNI
+        out[variant] = {"KVCHAT_ISA": variant}
     return out
 
 

@@ -101,8 +101,10 @@ def test_native_tracks_llama_cpp(engines):
                                    "Q3_K_M", "Q2_K", "IQ4_XS"])
 def test_requantized_registry_model_is_bit_exact(ftype, qwen_path):
     """The default model requantized by llama.cpp's own quantizer to other common file types (each
-    mixes types: IQ4_NL files hold Q5_1 and Q5_K, Q5_K_M ones Q6_K): logits_all bit for bit
-    llama.cpp's, batched and step by step, every matrix on an exact kernel and the fused decode path."""
+    mixes types: IQ4_NL files hold Q5_1 and Q5_K, Q5_K_M ones Q6_K; this model's 896-wide rows leave
+    Q3_K_M files without Q3_K, Q2_K ones with Q3_K and no Q2_K, IQ4_XS ones with IQ4_XS): logits_all
+    bit for bit llama.cpp's, batched and step by step, every matrix on an exact kernel and the fused
+    decode path."""
     g = open_model(requantized(qwen_path, ftype))
     tok = Tokenizer.from_gguf(g)
     ids = tok.encode("Write a Python function that reverses a string, then explain how it works.")

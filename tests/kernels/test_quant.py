@@ -48,4 +48,4 @@ def test_rejects_bad_row_length_and_unsupported_type():
     with pytest.raises(ValueError):
         repack(np.zeros((1, 18), np.uint8), 2, 48)  # Q4_0 row of 48 is not whole blocks
     with pytest.raises(NotImplementedError):
-        dequantize(np.zeros((1, 84), np.uint8), 10, 256)  # Q2_K
+        dequantize(np.zeros((1, 66), np.uint8), 35, 256)  # TQ2_0

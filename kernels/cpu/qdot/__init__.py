@@ -104,7 +104,8 @@ def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> n
     """The weights as the exact kernels read them, 8 rows interleaved (the same bytes as GGUF): Q8_0 and
     Q5_0 padded to a multiple of 8 rows, the types llama.cpp repacks (Q4_0, IQ4_NL, Q4_K) only if they
     have one (llama.cpp does not repack such a matrix either, and its other kernel is not reproduced
-    here), Q5_K and Q6_K rows in place; None where no exact kernel applies."""
+    here), the other K-quants (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS) rows in place; None where no exact kernel
+    applies."""
     if ggml_type not in EXACT_TYPES or (TRAITS[ggml_type].rows8 and n_rows % 8) or \
             (ggml_type in DENSE_TYPES and n_cols % 32):
         return None
@@ -145,7 +146,7 @@ def _run_arrays(runs, M: int):
 def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=None) -> np.ndarray:
     """rows (M, K) @ W.T -> (M, n_out) float32 for the first n_out rows of W, llama.cpp's numbers bit
     for bit. W is read once per call for all M rows. runs: [(start, length, batched)] covering the
-    rows (default: one batched run); llama.cpp picks its Q4_K, Q5_K and Q6_K arithmetic by the size
+    rows (default: one batched run); llama.cpp picks its K-quants' (and IQ4_XS's) arithmetic by the size
     of the batch it is given, so a batched run gets the arithmetic of a llama.cpp batch of its length
     and a one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
     M = rows.n_rows

@@ -6,5 +6,6 @@ PREFETCH = 4096                   # decode reads each weight once per token: fet
 # Activation rows per pass over W: the chunk (rows x K int8) stays in L2 while every weight group
 # reads it; without it a prompt re-streams all its rows from L3 for each 8-row group.
 X_CHUNK_BYTES = 192 << 10
-# llama.cpp's ggml_tiled_min_batch: a batch of this many rows or more takes the tiled kernel (Q5_K, Q6_K)
+# llama.cpp's ggml_tiled_min_batch: a batch of this many rows or more takes the tiled kernel (Q2_K, Q3_K, Q5_K,
+# Q6_K, IQ4_XS)
 TILED_MIN_ROWS = 8

@@ -19,34 +19,35 @@ IQ4_XS_BLOCK = 136
 _LEVELS = [int(v) for v in IQ4_NL_VALUES] * 2                  # vpshufb looks up each 128-bit half
 
 
-def _decode(builder, p, qbuf, wbuf, sbuf):
-    """One IQ4_XS super-block at p -> qbuf/wbuf/sbuf (see lanes.lane_kernel); returns (d, None, None)."""
+def _decode(builder, p):
+    """One IQ4_XS super-block at p -> (|w|, w, scales) per chunk, d (see lanes.lane_kernel)."""
     table = ir.Constant(V32B, _LEVELS)
     m15 = vconst(V16B, 15)
     sh = builder.zext(load_as(builder, p, i16, 2), i32)
     lsr = lambda v, k: builder.lshr(v, ir.Constant(i32, k)) if k else v         # noqa: E731
+    qv, wv, sv = [], [], []
     for c in range(8):
         q = vload(builder, builder.gep(p, [c64(8 + 16 * c)]), V16B)
         idx = builder.shuffle_vector(builder.and_(q, m15), builder.lshr(q, vconst(V16B, 4)),
                                      ir.Constant(ir.VectorType(i32, 32), list(range(32))))
         w = pshufb(builder, table, idx)
-        builder.store(psign(builder, w, w), builder.gep(qbuf, [c32(0), c32(c)]))
-        builder.store(w, builder.gep(wbuf, [c32(0), c32(c)]))
+        qv.append(psign(builder, w, w))
+        wv.append(w)
         sl = builder.zext(load_as(builder, p, i8, 4 + c // 2), i32)
         ls = builder.or_(builder.and_(lsr(sl, 4 * (c % 2)), ir.Constant(i32, 15)),
                          builder.shl(builder.and_(lsr(sh, 2 * c), ir.Constant(i32, 3)), ir.Constant(i32, 4)))
         ls = builder.trunc(builder.sub(ls, ir.Constant(i32, 32)), i16)
         scv = builder.insert_element(ir.Constant(V16S, ir.Undefined), ls, c32(0))
         scv = builder.shuffle_vector(scv, scv, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
-        builder.store(scv, builder.gep(sbuf, [c32(0), c32(c)]))
-    return builder.fpext(load_as(builder, p, f16, 0), f32), None, None
+        sv.append(scv)
+    return qv, wv, sv, builder.fpext(load_as(builder, p, f16, 0), f32), None, None
 
 
 def _kernel(MR: int, tiled: bool):
     return lane_kernel("iq4_xs", IQ4_XS_BLOCK, _decode, True, False, MR, tiled)
 
 
-iq4_xs_tiled_1, iq4_xs_tiled_4 = _kernel(1, True), _kernel(4, True)
+iq4_xs_tiled_1, iq4_xs_tiled_4, iq4_xs_tiled_8 = _kernel(1, True), _kernel(4, True), _kernel(8, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (iq4_xs_vec_dot_1, iq4_xs_vec_dot_2, iq4_xs_vec_dot_3, iq4_xs_vec_dot_4, iq4_xs_vec_dot_5, iq4_xs_vec_dot_6,
  iq4_xs_vec_dot_7, iq4_xs_vec_dot_8) = (_kernel(m, False) for m in range(1, 9))
@@ -66,7 +67,10 @@ def _iq4_xs_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
             c1 = min(r0 + n, c0 + chunk)
             for row in prange(N):
                 m = c0
-                if tiled:
+                if tiled:                           # 8 rows per unpacked super-block where it can
+                    while m + 8 <= c1:
+                        iq4_xs_tiled_8(w, row, xq, dx, bs16, m, out)
+                        m += 8
                     while m + 4 <= c1:
                         iq4_xs_tiled_4(w, row, xq, dx, bs16, m, out)
                         m += 4

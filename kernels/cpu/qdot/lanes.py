@@ -35,10 +35,10 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
     xq (M, K) int8, dx (M, nb) float32: q8_K rows; bs16 (M, K/16) int16: their 16-element sums
     (read only with mins).
 
-    decode(builder, p, qbuf, wbuf, sbuf) unpacks the super-block at p: chunk c's unsigned maddubs
-    operand to qbuf[c] (signed: |w|, with w itself in wbuf[c]), its two scales splatted to sbuf[c]
-    (V16S); it returns (d_w, dmin_w, the 16 minimums as V16S) (None for the last two without mins).
-    As in q6_k, an IR loop reads the unpacked chunks back for all MR rows."""
+    decode(builder, p) unpacks the super-block at p into (qs, ws, ss, d_w, dmin_w, mn): per chunk c
+    the unsigned maddubs operand qs[c] (signed: |w|, with w itself in ws[c], else ws is None), its
+    two scales splatted (ss[c], V16S); with mins dmin_w and the 16 minimums (V16S), else None.
+    As in q6_k, the chunks go to a stack buffer that an IR loop reads back for all MR rows."""
 
     def kern(typingctx, w, n, xq, dx, bs16, m0, out):
         sig = types.void(w, n, xq, dx, bs16, m0, out)
@@ -59,7 +59,7 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
             acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(MR)]
             acc1 = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(MR)]   # tiled: out
             qbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))          # maddubs' unsigned operand
-            wbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8)) if signed else None   # the signs
+            wbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))          # the signs (signed types)
             sbuf = cgutils.alloca_once(builder, ir.ArrayType(V16S, 8))          # the chunks' scales
             lanes_i32 = [cgutils.alloca_once(builder, V8I) for _ in range(MR)]
             with cgutils.for_range(builder, nb) as loop:
@@ -67,9 +67,14 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
                 p = builder.gep(row, [builder.mul(b, c64(block_bytes))])
                 for line in range(0, block_bytes, 64):
                     prefetch(builder, builder.gep(p, [c64(PREFETCH + line)]))
-                dw, dmin, mn = decode(builder, p, qbuf, wbuf, sbuf)
+                qs, ws, ss, dw, dmin, mn = decode(builder, p)
                 for i in range(MR):
                     builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])
+                for c in range(8):
+                    builder.store(qs[c], builder.gep(qbuf, [c32(0), c32(c)]))
+                    builder.store(ss[c], builder.gep(sbuf, [c32(0), c32(c)]))
+                    if signed:
+                        builder.store(ws[c], builder.gep(wbuf, [c32(0), c32(c)]))
                 with cgutils.for_range(builder, c64(8)) as chunks:                 # chunk c: elements 32c .. 32c+31
                     c = chunks.index
                     qv = builder.load(builder.gep(qbuf, [c32(0), c]))

@@ -12,8 +12,8 @@ from numba.extending import intrinsic
 from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V16S, V32B, V8H, array, byte_ptr, c32, c64, fma, hsum8, i32, load_as, madd16,
-    maddubs, psign, pshufb, splat, vconst, vload, vstore,
+    V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, fma, hsum8, i32, load_as,
+    dot4, psign, pshufb, splat, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -64,7 +64,6 @@ def _q5_0_panel_kernel(NR: int, MR: int):
             xg = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(nb, c64(MR * 32)))])
             zero = ir.Constant(V8F, [0.0] * 8)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(NR)] for _ in range(MR)]
-            ones = vconst(V16S, 1)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 off = builder.mul(b, c64(32))
@@ -74,7 +73,7 @@ def _q5_0_panel_kernel(NR: int, MR: int):
                 for i in range(MR):
                     x = vload(builder, builder.gep(xb_b, [c64(32 * i)]), V32B)
                     for j in range(NR):
-                        isum = builder.sub(madd16(builder, maddubs(builder, x, ws[j]), ones), cs[j])
+                        isum = builder.sub(dot4(builder, x, ws[j]), cs[j])
                         dp = builder.gep(Da.data, [builder.add(builder.mul(c64(j * MR + i), nbp), b)])
                         scale = splat(builder, builder.load(dp), V8F)
                         acc = accs[i][j]
@@ -235,12 +234,20 @@ class _X8Block:
         return psign(self.b, w, w) if self.t in SIGNED else w
 
 
-def _group_dot(builder, ggml_type: int, wmag, w, x4):
-    """Each row's 4-element dot of one group (V8I) before the offset: vpmaddubsw + vpmaddwd, with x
-    taking w's sign for the signed types."""
+def _group_dot(builder, ggml_type: int, wmag, w, x4, acc=None):
+    """Each row's 4-element dot of one group (V8I) before the offset (plus acc), with x taking w's
+    sign for the signed types."""
     if ggml_type in SIGNED:
         x4 = psign(builder, x4, w)
-    return madd16(builder, maddubs(builder, wmag, x4), vconst(V16S, 1))
+    return dot4(builder, wmag, x4, acc)
+
+
+def _add_dot(builder, ggml_type: int, dots: list, wmag, w, x4) -> None:
+    """Group k's dots: one per group, or for PER_BLOCK types one running sum (exact in any order)."""
+    if ggml_type in PER_BLOCK and dots:
+        dots[0] = _group_dot(builder, ggml_type, wmag, w, x4, dots[0])
+    else:
+        dots.append(_group_dot(builder, ggml_type, wmag, w, x4))
 
 
 
@@ -249,10 +256,8 @@ def _block_step(builder, ggml_type: int, dots, sums, scale, accs, mins=None):
     """One block's float steps for one activation row: dots (8 V8I) of the groups, sums (8 i32): 16 x
     the row's group sums, scale (V8F) d_w * d_x, accs: the row's accumulator pointers (8; 1 for
     PER_BLOCK types; 8 and summs for MINS types), mins (V8F): m_w * s_x's factors (m_w, s_x)."""
-    if ggml_type in PER_BLOCK:
+    if ggml_type in PER_BLOCK:                    # dots: the block's whole dot (_add_dot)
         tot = dots[0]
-        for d in dots[1:]:
-            tot = builder.add(tot, d)
         if ggml_type == T.Q4_0:                  # 8 x the block's sum of x = (16 x its group sums) / 2
             s = sums[0]
             for v in sums[1:]:
@@ -314,7 +319,7 @@ def _q0_x8_kernel(ggml_type: int):
                 for k in range(8):
                     x4 = builder.bitcast(splat(builder, load_as(builder, xb, i32, 4 * k), V8I), V32B)
                     w = blk.group(k)
-                    dots.append(_group_dot(builder, ggml_type, blk.magnitude(w), w, x4))
+                    _add_dot(builder, ggml_type, dots, blk.magnitude(w), w, x4)
                     if ggml_type in OFFSET:
                         sums.append(builder.load(builder.gep(srow, [builder.add(builder.mul(b, c64(8)), c64(k))])))
                 mins = (blk.mins(), splat(builder, builder.load(builder.gep(s1a.data, [builder.add(builder.mul(mv, nb), b)])), V8F)) \
@@ -387,7 +392,7 @@ def _q0_x8_multi_kernel(ggml_type: int):
                         x4 = builder.bitcast(splat(builder, load_as(builder, xb, i32, 4 * k), V8I), V32B)
                         wmag = builder.load(builder.gep(mbuf, [c32(0), c32(k)]))
                         w = builder.load(builder.gep(wbuf, [c32(0), c32(k)])) if signed else wmag
-                        dots.append(_group_dot(builder, ggml_type, wmag, w, x4))
+                        _add_dot(builder, ggml_type, dots, wmag, w, x4)
                         if ggml_type in OFFSET:
                             sums.append(builder.load(builder.gep(srow, [c64(k)])))
                     mins = (m8, splat(builder, builder.load(builder.gep(s1a.data, [builder.add(builder.mul(m, nb), b)])), V8F)) \
@@ -490,7 +495,7 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
         nbp = builder.extract_value(da.shape, 1)
         block = X8_BLOCK[T.Q5_0]
         wbase, pbase, cbase = byte_ptr(builder, wa.data), byte_ptr(builder, pa.data), byte_ptr(builder, ca.data)
-        ones8, ones16 = vconst(V32B, 1), vconst(V16S, 1)
+        ones8 = vconst(V32B, 1)
         with cgutils.for_range(builder, n_groups) as gl:
             grp = gl.index
             src = builder.gep(wbase, [builder.mul(builder.add(g0v, grp), builder.mul(nb, c64(block)))])
@@ -506,7 +511,7 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
                     off = builder.add(builder.mul(row, builder.mul(nb, c64(32))), builder.mul(b, c64(32)))
                     w = builder.bitcast(rows[r], V32B)
                     vstore(builder, w, builder.gep(pbase, [off]))
-                    sums = madd16(builder, maddubs(builder, ones8, w), ones16)
+                    sums = dot4(builder, ones8, w)
                     vstore(builder, builder.shl(sums, vconst(V8I, 7)), builder.gep(cbase, [off]))
                     builder.store(builder.extract_element(d8, ir.Constant(i32, r)),
                                   builder.gep(da.data, [builder.add(builder.mul(row, nbp), b)]))

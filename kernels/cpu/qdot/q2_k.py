@@ -8,7 +8,7 @@ from numba import njit, prange
 
 from kernels.cpu.qdot.common import TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.qdot.lanes import lane_kernel
-from kernels.cpu.simd import V16B, V16S, V32B, c32, c64, f16, f32, i32, load_as, vconst, vload
+from kernels.cpu.simd import V16B, V16S, V32B, c64, f16, f32, i32, load_as, vconst, vload
 
 # --- Q2_K ---------------------------------------------------------------------------------------
 # A 256-element super-block: scales[16] (low nibble: scale, high: minimum of each 16 elements),
@@ -18,30 +18,31 @@ from kernels.cpu.simd import V16B, V16S, V32B, c32, c64, f16, f32, i32, load_as,
 Q2_K_BLOCK = 84
 
 
-def _decode(builder, p, qbuf, wbuf, sbuf):
-    """One Q2_K super-block at p -> qbuf/sbuf (see lanes.lane_kernel); returns (d, dmin, minimums)."""
+def _decode(builder, p):
+    """One Q2_K super-block at p -> (q, None, scales) per chunk, d, dmin, minimums (see lanes.lane_kernel)."""
     ms = vload(builder, p, V16B)
     sc16 = builder.zext(builder.and_(ms, vconst(V16B, 15)), V16S)
     mn16 = builder.zext(builder.lshr(ms, vconst(V16B, 4)), V16S)
     m3 = vconst(V32B, 3)
+    qv, sv = [], []
     for h in range(2):
         qs = vload(builder, builder.gep(p, [c64(16 + 32 * h)]), V32B)
         for s in range(4):
             c = 4 * h + s
             q = builder.and_(builder.lshr(qs, vconst(V32B, 2 * s)) if s else qs, m3)
-            builder.store(q, builder.gep(qbuf, [c32(0), c32(c)]))
+            qv.append(q)
             scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * c] * 8 + [2 * c + 1] * 8))
-            builder.store(scv, builder.gep(sbuf, [c32(0), c32(c)]))
+            sv.append(scv)
     dw = builder.fpext(load_as(builder, p, f16, 80), f32)
     dmin = builder.fpext(load_as(builder, p, f16, 82), f32)
-    return dw, dmin, mn16
+    return qv, None, sv, dw, dmin, mn16
 
 
 def _kernel(MR: int, tiled: bool):
     return lane_kernel("q2_k", Q2_K_BLOCK, _decode, False, True, MR, tiled)
 
 
-q2_k_tiled_1, q2_k_tiled_4 = _kernel(1, True), _kernel(4, True)
+q2_k_tiled_1, q2_k_tiled_4, q2_k_tiled_8 = _kernel(1, True), _kernel(4, True), _kernel(8, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q2_k_vec_dot_1, q2_k_vec_dot_2, q2_k_vec_dot_3, q2_k_vec_dot_4, q2_k_vec_dot_5, q2_k_vec_dot_6, q2_k_vec_dot_7,
  q2_k_vec_dot_8) = (_kernel(m, False) for m in range(1, 9))
@@ -61,7 +62,10 @@ def _q2_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
             c1 = min(r0 + n, c0 + chunk)
             for row in prange(N):
                 m = c0
-                if tiled:
+                if tiled:                           # 8 rows per unpacked super-block where it can
+                    while m + 8 <= c1:
+                        q2_k_tiled_8(w, row, xq, dx, bs16, m, out)
+                        m += 8
                     while m + 4 <= c1:
                         q2_k_tiled_4(w, row, xq, dx, bs16, m, out)
                         m += 4

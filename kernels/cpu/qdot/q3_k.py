@@ -17,8 +17,8 @@ from kernels.cpu.simd import V16B, V16S, V32B, c32, c64, f16, f32, i32, load_as,
 Q3_K_BLOCK = 110
 
 
-def _decode(builder, p, qbuf, wbuf, sbuf):
-    """One Q3_K super-block at p -> qbuf/wbuf/sbuf (see lanes.lane_kernel); returns (d, None, None)."""
+def _decode(builder, p):
+    """One Q3_K super-block at p -> (|w|, w, scales) per chunk, d (see lanes.lane_kernel)."""
     V4I = ir.VectorType(i32, 4)
     a0, a1, a2 = (load_as(builder, p, i32, 96 + 4 * k) for k in range(3))
     k1, k2 = ir.Constant(i32, 0x03030303), ir.Constant(i32, 0x0F0F0F0F)
@@ -32,6 +32,7 @@ def _decode(builder, p, qbuf, wbuf, sbuf):
         v = builder.insert_element(v, t, c32(k))
     sc16 = builder.sext(builder.sub(builder.bitcast(v, V16B), vconst(V16B, 32)), V16S)   # -32..31
     hm = vload(builder, p, V32B)
+    qv, wv, sv = [], [], []
     m3, one, four = vconst(V32B, 3), vconst(V32B, 1), vconst(V32B, 4)
     shr = lambda v, k: builder.lshr(v, vconst(V32B, k)) if k else v             # noqa: E731
     for h in range(2):
@@ -41,18 +42,18 @@ def _decode(builder, p, qbuf, wbuf, sbuf):
             low = builder.and_(shr(qs, 2 * s), m3)
             hb = builder.shl(builder.and_(shr(hm, c), one), vconst(V32B, 2))
             w = builder.sub(builder.or_(low, hb), four)                          # -4..3
-            builder.store(psign(builder, w, w), builder.gep(qbuf, [c32(0), c32(c)]))
-            builder.store(w, builder.gep(wbuf, [c32(0), c32(c)]))
+            qv.append(psign(builder, w, w))
+            wv.append(w)
             scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * c] * 8 + [2 * c + 1] * 8))
-            builder.store(scv, builder.gep(sbuf, [c32(0), c32(c)]))
-    return builder.fpext(load_as(builder, p, f16, 108), f32), None, None
+            sv.append(scv)
+    return qv, wv, sv, builder.fpext(load_as(builder, p, f16, 108), f32), None, None
 
 
 def _kernel(MR: int, tiled: bool):
     return lane_kernel("q3_k", Q3_K_BLOCK, _decode, True, False, MR, tiled)
 
 
-q3_k_tiled_1, q3_k_tiled_4 = _kernel(1, True), _kernel(4, True)
+q3_k_tiled_1, q3_k_tiled_4, q3_k_tiled_8 = _kernel(1, True), _kernel(4, True), _kernel(8, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q3_k_vec_dot_1, q3_k_vec_dot_2, q3_k_vec_dot_3, q3_k_vec_dot_4, q3_k_vec_dot_5, q3_k_vec_dot_6, q3_k_vec_dot_7,
  q3_k_vec_dot_8) = (_kernel(m, False) for m in range(1, 9))
@@ -72,7 +73,10 @@ def _q3_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
             c1 = min(r0 + n, c0 + chunk)
             for row in prange(N):
                 m = c0
-                if tiled:
+                if tiled:                           # 8 rows per unpacked super-block where it can
+                    while m + 8 <= c1:
+                        q3_k_tiled_8(w, row, xq, dx, bs16, m, out)
+                        m += 8
                     while m + 4 <= c1:
                         q3_k_tiled_4(w, row, xq, dx, bs16, m, out)
                         m += 4
