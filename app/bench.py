@@ -504,8 +504,9 @@ def cmd_bench(args) -> int:
     if card is not None:
         print(f"GPU: {card[0]}, peak memory bandwidth {card[1]:.0f} GB/s", file=sys.stderr if args.json else sys.stdout)
     if memory is not None:
-        print(f"CPU: {cpu_name()}, measured read bandwidth {memory:.1f} GB/s on {args.threads or 'all'} threads "
-              "(decode's % peak is against it)", file=sys.stderr if args.json else sys.stdout)
+        from kernels.cpu.isa import variant
+        print(f"CPU: {cpu_name()}, kernels {variant()}, measured read bandwidth {memory:.1f} GB/s on "
+              f"{args.threads or 'all'} threads (decode's % peak is against it)", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         for row in rows:
             print(json.dumps(row))

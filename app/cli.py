@@ -372,6 +372,9 @@ def cmd_models(args) -> int:
             lacks = info["kvchat_engine_lacks"]
             print("engine          " + (f"llama.cpp (kvchat's engine does not run {lacks} yet)" if lacks
                                         else "kvchat's own (native on the CPU, torch on a GPU)"))
+            if not lacks:
+                from kernels.cpu.isa import ISA_ENV, chosen, variant
+                print(f"CPU kernels     {variant()} ({ISA_ENV}={chosen()}; every variant computes the same bits)")
             slow = info["torch_dequantized"]
             print("torch engine    " + (f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow
                                         else "reads every quantized matrix in place"))

@@ -34,6 +34,7 @@ class Capabilities:
     speculative: bool = False      # verify() + rollback(): a draft checked in one forward pass
     batch: bool = False            # new_sequence() + forward_batch(): many sequences per forward pass
     decode_threads: bool = False   # set_decode_threads(): fewer threads while decoding (a core for a UI)
+    kernels: str = ""              # the CPU kernels' variant (native: avx512vnni, avxvnni or avx2)
 
 
 class Described:
@@ -47,6 +48,12 @@ class Described:
     @property
     def device(self) -> str:
         return self.capabilities.device
+
+    @property
+    def where(self) -> str:
+        """How it runs, for people: "native on cpu (avx512vnni)", "llama.cpp on cpu"."""
+        kernels = f" ({self.capabilities.kernels})" if self.capabilities.kernels else ""
+        return f"{self.name} on {self.device}{kernels}"
 
 
 class Backend(Described, ABC):

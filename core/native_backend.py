@@ -2,6 +2,7 @@
 with the paged KV cache of core.kv_cache and prefix reuse by block hash."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -61,6 +62,9 @@ class NativeBackend(PagedBackend):
         gguf.require_supported()
         super().__init__(tokenizer, n_ctx)
         import numba
+
+        from kernels.cpu.isa import variant
+        self.capabilities = dataclasses.replace(type(self).capabilities, kernels=variant())
 
         _keep_freed_memory()
         threads = threads or os.cpu_count() or 1

@@ -76,7 +76,7 @@ class ChatActions:
         if xray.display:
             if self.engine is not None and self.generated_once:
                 xray.show(self.engine.backend.stats, self.engine.backend.kv_block_map(), False,
-                          speculative_text(self.speculative, self.engine.backend))
+                          speculative_text(self.speculative, self.engine.backend), self.engine.backend.where)
             else:
                 xray.show(None if self.engine is None else dataclasses.replace(self.engine.backend.stats,
                           phase="idle", token_latencies_ms=[], cache_n=0, n_past=0), None)

@@ -335,7 +335,8 @@ class KvChatApp(ChatActions, App):
             status.update(status_line(engine.model_name, f"{engine.backend_name} on {engine.device}", backend.stats,
                                       backend.timings, self.generating) + (" | queued" if queued else ""))
             if xray.display:
-                xray.show(backend.stats, backend.kv_block_map(), queued, speculative_text(self.speculative, backend))
+                xray.show(backend.stats, backend.kv_block_map(), queued, speculative_text(self.speculative, backend),
+                          backend.where)
 
     # --- models ----------------------------------------------------------------------------
     def load_model(self, spec: str) -> None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
+from kernels.errors import BadInputError
+
 ISA_ENV = "KVCHAT_ISA"
 CHOICES = ("native", "avx2", "avxvnni", "avx512vnni")
 # x86-64-v3 is AVX2, FMA, F16C, BMI: what an AVX2-only CPU has. Beyond it: the AVX-512 family, the VEX
@@ -30,7 +32,7 @@ _BEYOND_AVX2 = ("avx512", "avxvnni", "avxifma", "avxneconvert", "amx", "gfni", "
 def chosen() -> str:
     isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if isa not in CHOICES:
-        raise ValueError(f"{ISA_ENV}={isa!r} is not one of {', '.join(CHOICES)}")
+        raise BadInputError(f"{ISA_ENV}={isa!r} is not one of {', '.join(CHOICES)}")
     return isa
 
 
@@ -48,6 +50,13 @@ def executable(host: dict[str, bool] | None = None) -> list[str]:
     if host.get("avxvnni"):
         out.append("avxvnni")
     return out + ["avx2"]
+
+
+def check(isa: str, host: dict[str, bool] | None = None) -> None:
+    """A variant the CPU cannot execute is refused (one line), not left to crash on an illegal instruction."""
+    runs = executable(host)
+    if isa != "native" and isa not in runs:
+        raise BadInputError(f"{ISA_ENV}={isa}: this CPU cannot run it (it runs {', '.join(runs)})")
 
 
 def variant() -> str:
@@ -70,8 +79,7 @@ def apply() -> str:
     Returns the choice. numba reads its target at import; where it is imported already, its
     configuration is read again (nothing is compiled before the kernels' modules load)."""
     isa = chosen()
-    if isa not in ("native", *executable()):
-        raise RuntimeError(f"{ISA_ENV}={isa}: this CPU cannot run it (it runs {', '.join(executable())})")
+    check(isa)
     if isa in ("avx2", "avxvnni") and "NUMBA_CPU_FEATURES" not in os.environ:
         from llvmlite import binding as llvm
         os.environ["NUMBA_CPU_NAME"] = "x86-64-v3"

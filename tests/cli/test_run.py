@@ -159,6 +159,7 @@ def test_backend_auto_hands_what_the_engine_lacks_to_llamacpp(tmp_path):
     err = native.stderr.decode()
     assert native.returncode == 2 and len(err.strip().splitlines()) == 1 and "does not run tensor type TQ2_0" in err
     info = run_kvchat("models", "info", str(iq))
+    assert "CPU kernels" not in info.stdout.decode()        # llama.cpp runs this file
     assert info.returncode == 0 and "llama.cpp (kvchat's engine does not run tensor type TQ2_0 yet)" in info.stdout.decode()
 
     neither = write_gguf(tmp_path / "mamba.gguf", arch="mamba")     # no vocabulary, no layers
@@ -220,6 +221,17 @@ def test_models_list_info_path(qwen_path):
     assert info["architecture"] == "qwen2" and info["chat_template"] is True
     text = run_kvchat("models", "info", str(qwen_path)).stdout.decode()
     assert "Q4_K" in text and "context length  32768" in text
+    from kernels.cpu.isa import variant
+    assert f"CPU kernels     {variant()} (KVCHAT_ISA=native;" in text
+    forced = run_kvchat("models", "info", str(qwen_path), env={"KVCHAT_ISA": "avx2"}).stdout.decode()
+    assert "CPU kernels     avx2 (KVCHAT_ISA=avx2;" in forced
+
+
+def test_an_unusable_isa_choice_is_one_line_and_exit_2(qwen_path):
+    out = run_kvchat("run", "-m", str(qwen_path), "hi", env={"KVCHAT_ISA": "bogus"})
+    err = out.stderr.decode()
+    assert out.returncode == 2 and "is not one of native, avx2, avxvnni, avx512vnni" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_bench_json_rows(qwen_path):

@@ -17,6 +17,7 @@ import pytest
 
 from kernels.cpu import isa
 from kernels.cpu.libm import inv_sqrtf, rope_theta_scale
+from kernels.errors import BadInputError
 from kernels.cpu.ops import rope_table
 from models.transformer import DecoderConfig
 
@@ -96,3 +97,21 @@ def test_forced_cpu_choices_are_in_force():
             (name, features)
     else:
         assert name != "x86-64-v3"
+
+
+def test_isa_variants_follow_the_cpu_flags():
+    """Which kernel variants a CPU executes, the widest first, and a refusal for one it cannot."""
+    zen3 = {"avx2": True, "fma": True}
+    zen4 = {**zen3, "avx512f": True, "avx512vl": True, "avx512vnni": True}
+    zen5 = {**zen4, "avxvnni": True}
+    alder_lake = {**zen3, "avxvnni": True}
+    assert isa.executable(zen3) == ["avx2"]
+    assert isa.executable(zen4) == ["avx512vnni", "avx2"]
+    assert isa.executable(zen5) == ["avx512vnni", "avxvnni", "avx2"]
+    assert isa.executable(alder_lake) == ["avxvnni", "avx2"]
+    isa.check("avx512vnni", zen4)
+    isa.check("native", zen3)
+    for choice, host in (("avxvnni", zen4), ("avx512vnni", alder_lake), ("avx512vnni", zen3)):
+        with pytest.raises(BadInputError, match="this CPU cannot run it"):
+            isa.check(choice, host)
+    assert isa.avx2_features("+avx2,+gfni,+avx512f,+avxvnni", keep=("avxvnni",)) == "+avx2,-gfni,-avx512f,+avxvnni"

@@ -56,9 +56,11 @@ class XRayPanel(Vertical):
         yield Static("", id="xray-kv")
         yield Label("", id="xray-prefix", markup=False)
         yield Label("speculative: off", id="xray-spec", markup=False)
+        yield Label("", id="xray-engine", markup=False)
 
     def show(self, stats: LiveStats | None, block_map: list[str] | None, queued: bool = False,
-             speculative: str = "speculative: off") -> None:
+             speculative: str = "speculative: off", where: str = "") -> None:
+        """where: what ran the generation (backend.where: engine, device, CPU kernels' variant)."""
         if stats is None:
             self.query_one("#xray-phase", Label).update("phase: no model")
             return
@@ -74,6 +76,7 @@ class XRayPanel(Vertical):
         self.query_one("#xray-prefix", Label).update(
             f"prefix reused: {stats.cache_n} tok ({stats.cache_disk_n} from disk)\ncontext: {stats.n_past}/{stats.n_ctx or 'n/a'}")
         self.query_one("#xray-spec", Label).update(speculative)
+        self.query_one("#xray-engine", Label).update(f"ran on {where}" if where else "")
 
     def block_map_text(self, block_map: list[str] | None) -> Text:
         if not block_map:
