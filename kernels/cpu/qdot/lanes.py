@@ -68,25 +68,34 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
                 for line in range(0, block_bytes, 64):
                     prefetch(builder, builder.gep(p, [c64(PREFETCH + line)]))
                 qs, ws, ss, dw, dmin, mn = decode(builder, p)
-                for i in range(MR):
-                    builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])
-                for c in range(8):
-                    builder.store(qs[c], builder.gep(qbuf, [c32(0), c32(c)]))
-                    builder.store(ss[c], builder.gep(sbuf, [c32(0), c32(c)]))
-                    if signed:
-                        builder.store(ws[c], builder.gep(wbuf, [c32(0), c32(c)]))
-                with cgutils.for_range(builder, c64(8)) as chunks:                 # chunk c: elements 32c .. 32c+31
-                    c = chunks.index
-                    qv = builder.load(builder.gep(qbuf, [c32(0), c]))
-                    scv = builder.load(builder.gep(sbuf, [c32(0), c]))
-                    wv = builder.load(builder.gep(wbuf, [c32(0), c])) if signed else None
-                    xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
-                    for i in range(MR):
-                        x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
+                if MR == 1:        # one row: each chunk straight from the registers, no buffer
+                    lane = ir.Constant(V8I, [0] * 8)
+                    for c in range(8):
+                        x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * c))]), V32B)
                         if signed:
-                            x = psign(builder, x, wv)
-                        builder.store(builder.add(builder.load(lanes_i32[i]), madd16(builder, maddubs(builder, qv, x), scv)),
-                                      lanes_i32[i])
+                            x = psign(builder, x, ws[c])
+                        lane = builder.add(lane, madd16(builder, maddubs(builder, qs[c], x), ss[c]))
+                    builder.store(lane, lanes_i32[0])
+                else:
+                    for i in range(MR):
+                        builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])
+                    for c in range(8):
+                        builder.store(qs[c], builder.gep(qbuf, [c32(0), c32(c)]))
+                        builder.store(ss[c], builder.gep(sbuf, [c32(0), c32(c)]))
+                        if signed:
+                            builder.store(ws[c], builder.gep(wbuf, [c32(0), c32(c)]))
+                    with cgutils.for_range(builder, c64(8)) as chunks:             # chunk c: elements 32c .. 32c+31
+                        c = chunks.index
+                        qv = builder.load(builder.gep(qbuf, [c32(0), c]))
+                        scv = builder.load(builder.gep(sbuf, [c32(0), c]))
+                        wv = builder.load(builder.gep(wbuf, [c32(0), c])) if signed else None
+                        xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
+                        for i in range(MR):
+                            x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
+                            if signed:
+                                x = psign(builder, x, wv)
+                            builder.store(builder.add(builder.load(lanes_i32[i]),
+                                                      madd16(builder, maddubs(builder, qv, x), scv)), lanes_i32[i])
                 for i in range(MR):
                     lanes_i = builder.load(lanes_i32[i])
                     dxb = builder.load(builder.gep(drow[i], [b]))

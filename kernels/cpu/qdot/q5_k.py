@@ -82,26 +82,35 @@ def _q5_k_kernel(MR: int, tiled: bool):
                 ms2 = builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 32), list(range(16)) * 2))
                 mn = builder.zext(builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 8), list(range(8, 16)))), V8S)
                 qh = vload(builder, builder.gep(p, [c64(16)]), V32B)
+                lane = ir.Constant(V8I, [0] * 8)
                 for j in range(4):
                     qs = vload(builder, builder.gep(p, [c64(48 + 32 * j)]), V32B)
                     halves = (builder.and_(qs, m15), shr(qs, 4))
                     for h in range(2):
                         s = 2 * j + h                                          # sub-block s: qh bit s
                         hb = builder.shl(builder.and_(shr(qh, s), one), vconst(V32B, 4))
-                        builder.store(builder.or_(halves[h], hb), builder.gep(qbuf, [c32(0), c32(s)]))
-                        scv = pshufb(builder, ms2, ir.Constant(V32B, [s, -128] * 16))    # sc_s as 16 int16
-                        builder.store(builder.bitcast(scv, V16S), builder.gep(sbuf, [c32(0), c32(s)]))
-                for i in range(MR):
-                    builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])
-                with cgutils.for_range(builder, c64(8)) as chunks:                 # sub-block c: elements 32c .. 32c+31
-                    c = chunks.index
-                    qv = builder.load(builder.gep(qbuf, [c32(0), c]))
-                    scv = builder.load(builder.gep(sbuf, [c32(0), c]))
-                    xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
+                        qv = builder.or_(halves[h], hb)
+                        scv = builder.bitcast(pshufb(builder, ms2, ir.Constant(V32B, [s, -128] * 16)), V16S)  # sc_s
+                        if MR == 1:    # one row: each sub-block straight from the registers, no buffer
+                            x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * s))]), V32B)
+                            lane = builder.add(lane, madd16(builder, maddubs(builder, qv, x), scv))
+                            continue
+                        builder.store(qv, builder.gep(qbuf, [c32(0), c32(s)]))
+                        builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
+                if MR == 1:
+                    builder.store(lane, lanes_i32[0])
+                else:
                     for i in range(MR):
-                        x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
-                        builder.store(builder.add(builder.load(lanes_i32[i]), madd16(builder, maddubs(builder, qv, x), scv)),
-                                      lanes_i32[i])
+                        builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])
+                    with cgutils.for_range(builder, c64(8)) as chunks:             # sub-block c: elements 32c .. 32c+31
+                        c = chunks.index
+                        qv = builder.load(builder.gep(qbuf, [c32(0), c]))
+                        scv = builder.load(builder.gep(sbuf, [c32(0), c]))
+                        xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
+                        for i in range(MR):
+                            x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
+                            builder.store(builder.add(builder.load(lanes_i32[i]),
+                                                      madd16(builder, maddubs(builder, qv, x), scv)), lanes_i32[i])
                 for i in range(MR):
                     lanes_i = builder.load(lanes_i32[i])
                     bs = vload(builder, builder.gep(brow[i], [builder.mul(b, c64(16))]), V8S)

@@ -70,21 +70,31 @@ def _q6_k_kernel(MR: int, tiled: bool):
                           builder.or_(builder.and_(q2, m15), shl(builder.and_(shr(qh, 2), m3), 4)),
                           builder.or_(shr(q1, 4), shl(builder.and_(shr(qh, 4), m3), 4)),
                           builder.or_(shr(q2, 4), shl(shr(qh, 6), 4))]
+                    if MR == 1 and j == 0:
+                        lane = ir.Constant(V8I, [0] * 8)
                     for k in range(4):
                         s = 4 * j + k                                             # scales 2s, 2s+1
-                        builder.store(qv[k], builder.gep(qbuf, [c32(0), c32(s)]))
                         scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * s] * 8 + [2 * s + 1] * 8))
+                        if MR == 1:        # one row: each chunk straight from the registers, no buffer
+                            x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * s))]), V32B)
+                            lane = builder.add(lane, madd16(builder, maddubs(builder, qv[k], x), scv))
+                            continue
+                        builder.store(qv[k], builder.gep(qbuf, [c32(0), c32(s)]))
                         builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
-                for i in range(MR):
-                    builder.store(ir.Constant(V8I, [0] * 8), lanes[i])
-                with cgutils.for_range(builder, c64(8)) as chunks:                 # chunk c: elements 32c .. 32c+31
-                    c = chunks.index
-                    qv = builder.load(builder.gep(qbuf, [c32(0), c]))
-                    scv = builder.load(builder.gep(sbuf, [c32(0), c]))
-                    xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
+                if MR == 1:
+                    builder.store(lane, lanes[0])
+                else:
                     for i in range(MR):
-                        x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
-                        builder.store(builder.add(builder.load(lanes[i]), madd16(builder, maddubs(builder, qv, x), scv)), lanes[i])
+                        builder.store(ir.Constant(V8I, [0] * 8), lanes[i])
+                    with cgutils.for_range(builder, c64(8)) as chunks:             # chunk c: elements 32c .. 32c+31
+                        c = chunks.index
+                        qv = builder.load(builder.gep(qbuf, [c32(0), c]))
+                        scv = builder.load(builder.gep(sbuf, [c32(0), c]))
+                        xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
+                        for i in range(MR):
+                            x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
+                            builder.store(builder.add(builder.load(lanes[i]), madd16(builder, maddubs(builder, qv, x), scv)),
+                                          lanes[i])
                 for i in range(MR):
                     lanes_i = builder.load(lanes[i])
                     bsv = vload(builder, builder.gep(brow[i], [builder.mul(b, c64(32))]), V16S)
