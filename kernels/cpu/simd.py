@@ -16,6 +16,7 @@ from kernels.cpu import isa as _isa
 _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
 VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit registers (kernels.cpu.isa)
+REGISTERS = 32 if _isa.variant() == "avx512vnni" else 16   # vector registers the kernels' tiles can fill
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 f16, f32 = ir.HalfType(), ir.FloatType()

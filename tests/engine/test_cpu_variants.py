@@ -24,7 +24,8 @@ import pytest
 from kernels.cpu import isa
 from tests.conftest import ROOT
 
-SUITES = ["tests/engine/test_tiny_models.py", "tests/kernels/test_libm.py", "tests/kernels/test_ops.py"]
+SUITES = ["tests/engine/test_tiny_models.py", "tests/kernels/test_matmul.py", "tests/kernels/test_libm.py",
+          "tests/kernels/test_ops.py"]
 
 
 def _numpy_dispatch() -> list[str]:

@@ -13,7 +13,7 @@ from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, fma, hsum8, i32, load_as,
-    dot4, psign, pshufb, splat, vconst, vload, vstore,
+    REGISTERS, VNNI, dot4, psign, pshufb, splat, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -27,7 +27,8 @@ Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
 # instructions, which on Zen 3 share ports with the conversions and the FMAs (1.9 against 2.3 cycles
 # per (row, row, block)). d_w * d_x for the tile is computed once per call, 8 blocks per multiply.
 PANEL = 16
-PANEL_NR, PANEL_MR = 2, 3
+# the tile: NR weight rows x MR activation rows of accumulators, as many as the registers hold
+PANEL_NR, PANEL_MR = (4, 4) if REGISTERS == 32 else (2, 3)
 
 
 def _q5_0_panel_kernel(NR: int, MR: int):
@@ -73,7 +74,8 @@ def _q5_0_panel_kernel(NR: int, MR: int):
                 for i in range(MR):
                     x = vload(builder, builder.gep(xb_b, [c64(32 * i)]), V32B)
                     for j in range(NR):
-                        isum = builder.sub(dot4(builder, x, ws[j]), cs[j])
+                        # VNNI: the negated correction is vpdpbusd's accumulator, one instruction
+                        isum = dot4(builder, x, ws[j], cs[j]) if VNNI else builder.sub(dot4(builder, x, ws[j]), cs[j])
                         dp = builder.gep(Da.data, [builder.add(builder.mul(c64(j * MR + i), nbp), b)])
                         scale = splat(builder, builder.load(dp), V8F)
                         acc = accs[i][j]
@@ -484,7 +486,8 @@ def _transpose8x8(builder, vs):
 @intrinsic
 def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
     """Groups g0 .. g0+n_groups-1 of a Q5_0 x8 matrix -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32)
-    int8 values q - 16, cp (P, nb, 8) int32 = 128 * each 4-group sum, dwp (P, nbp) float32 scales."""
+    int8 values q - 16, cp (P, nb, 8) int32 = 128 * each 4-group sum (negated with VNNI: the dot's
+    starting value), dwp (P, nbp) float32 scales."""
     sig = types.void(wx8, g0, n_groups, wp, cp, dwp)
 
     def codegen(context, builder, signature, args):
@@ -512,7 +515,8 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
                     w = builder.bitcast(rows[r], V32B)
                     vstore(builder, w, builder.gep(pbase, [off]))
                     sums = dot4(builder, ones8, w)
-                    vstore(builder, builder.shl(sums, vconst(V8I, 7)), builder.gep(cbase, [off]))
+                    corr = builder.shl(sums, vconst(V8I, 7))
+                    vstore(builder, builder.neg(corr) if VNNI else corr, builder.gep(cbase, [off]))
                     builder.store(builder.extract_element(d8, ir.Constant(i32, r)),
                                   builder.gep(da.data, [builder.add(builder.mul(row, nbp), b)]))
         return context.get_dummy_value()
