@@ -284,7 +284,7 @@ async def test_xray_shows_speculative_acceptance(tmp_path):
             assert 0 < accepted <= drafted
             assert app.reply_widget.content == plain
             from kernels.cpu.isa import variant      # the X-ray names the CPU kernels' variant
-            assert str(app.query_one("#xray-engine").render()) == f"ran on native on cpu ({variant()})"
+            assert str(app.query_one("#xray-engine").render()) == f"ran on native on cpu\n({variant()})"
     finally:
         native.close()
 

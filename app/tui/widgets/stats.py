@@ -76,7 +76,7 @@ class XRayPanel(Vertical):
         self.query_one("#xray-prefix", Label).update(
             f"prefix reused: {stats.cache_n} tok ({stats.cache_disk_n} from disk)\ncontext: {stats.n_past}/{stats.n_ctx or 'n/a'}")
         self.query_one("#xray-spec", Label).update(speculative)
-        self.query_one("#xray-engine", Label).update(f"ran on {where}" if where else "")
+        self.query_one("#xray-engine", Label).update(f"ran on {where}".replace(" (", "\n(") if where else "")
 
     def block_map_text(self, block_map: list[str] | None) -> Text:
         if not block_map:
