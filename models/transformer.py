@@ -130,8 +130,9 @@ class Weights:
             raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
         return info, info.shape[0], int(np.prod(info.shape[1:]))    # ggml (K, N): W has N rows of K
 
-    def _cached_layout(self, key: str, build) -> np.ndarray:
-        """An exact layout from the cache folder (memory-mapped), built and saved on first use."""
+    def _cached_layout(self, key: str, build) -> np.ndarray | None:
+        """An exact layout from the cache folder (memory-mapped), built and saved on first use (None:
+        build found no exact layout)."""
         if self.cache_dir is None:
             return build()
         path = self.cache_dir / f"{key}.x8.npy"
@@ -141,6 +142,8 @@ class Weights:
             except (OSError, ValueError):
                 path.unlink(missing_ok=True)                 # a damaged cache entry is rebuilt
         layout = build()
+        if layout is None:
+            return None
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
         np.save(tmp, layout)
@@ -149,8 +152,9 @@ class Weights:
 
     def matrix(self, name: str, build_exact: bool = True) -> QMatrix:
         info, k, n = self._info(name)
-        if not build_exact or info.ggml_type not in REPACKED_TYPES or (TRAITS[info.ggml_type].rows8 and n % 8):
+        if not build_exact or info.ggml_type not in REPACKED_TYPES:
             return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=build_exact)
+        # None where qdot has no exact kernel for this matrix (kernels.types' rows8): nothing is cached
         layout = self._cached_layout(name, lambda: exact_layout(self._data[name], info.ggml_type, n, k))
         return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
 

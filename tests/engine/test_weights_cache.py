@@ -56,3 +56,27 @@ def test_stale_layout_folders_are_removed(tmp_path, monkeypatch):
     current = paths.weights_cache_dir(gguf)
     assert current.name.endswith(paths.WEIGHTS_LAYOUT)
     assert not old.exists() and other.exists()
+
+
+def test_a_matrix_without_an_exact_layout_caches_nothing(tmp_path):
+    """Q4_K with 12 rows: llama.cpp repacks only a multiple of 8 rows, so no exact layout, no file;
+    the 16-row one beside it is repacked and cached."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from kernels.reference import random_quantized
+    from kernels.types import Q4_K
+    from models.gguf_file import open_model
+    from models.transformer import Weights
+
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for name, rows in (("a.weight", 12), ("b.weight", 16)):
+        writer.add_tensor(name, random_quantized(Q4_K, rows, 256, rng), raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    w = Weights(open_model(path), cache_dir=tmp_path / "w")
+    assert w.matrix("a.weight").exact is None and w.matrix("b.weight").exact is not None
+    assert [f.name for f in (tmp_path / "w").glob("*.x8.npy")] == ["b.weight.x8.npy"]
