@@ -3,8 +3,9 @@
 numba's LLVM compiles for the CPU it runs on (AVX-512 on Zen 4/5, AVX2 on Zen 3), and torch's
 oneDNN/ATen (the bf16 prefill GEMM of the float path) dispatches on it too. The exact kernels'
 integer dot products take the widest unit the choice allows: vpdpbusd (VNNI) where it has one,
-vpmaddubsw + vpmaddwd otherwise. Both give the same integers (the kernels' operands never saturate
-vpmaddubsw's int16 pairs), so every variant computes the same bits. `KVCHAT_ISA` forces the choice,
+vpmaddubsw + vpmaddwd otherwise, and the K-quants' scaled sums one vpdpwssd in place of vpmaddwd +
+vpaddd. Both give the same integers (the kernels' operands never saturate vpmaddubsw's int16 pairs,
+and the int32 sums wrap alike), so every variant computes the same bits. `KVCHAT_ISA` forces the choice,
 so that tests can run every variant a machine can execute and a comparison can pin one:
 
 - `native` (the default): every extension this CPU reports; its variant is the best of the three;

@@ -101,6 +101,17 @@ def dot4(builder, u8, s8, acc=None):
     return s if acc is None else builder.add(acc, s)
 
 
+def dot4_scaled(builder, u8, s8, scales, acc):
+    """acc + vpmaddwd(vpmaddubsw(u8, s8), scales): per int32 lane its 4 byte products, each pair
+    times its int16 scale. With VNNI one vpdpwssd does the vpmaddwd and the add (the same integers:
+    vpdpwssd's sum wraps as vpaddd does)."""
+    pairs = maddubs(builder, u8, s8)
+    if VNNI:
+        return call(builder, "llvm.x86.avx512.vpdpwssd.256", V8I,
+                    [acc, builder.bitcast(pairs, V8I), builder.bitcast(scales, V8I)])
+    return builder.add(acc, madd16(builder, pairs, scales))
+
+
 def psign(builder, a, s):
     """vpsignb: a negated where s < 0, zeroed where s == 0."""
     return call(builder, "llvm.x86.avx2.psign.b", V32B, [a, s])

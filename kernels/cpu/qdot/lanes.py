@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH
 from kernels.cpu.simd import (
-    V8F, V8I, V16S, V32B, array, byte_ptr, c32, c64, call, f32, fma, hsum8, lanes, madd16, maddubs, prefetch,
+    V8F, V8I, V16S, V32B, array, byte_ptr, c32, c64, call, f32, fma, hsum8, lanes, madd16, dot4_scaled, prefetch,
     psign, splat, vload,
 )
 
@@ -74,7 +74,7 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
                         x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * c))]), V32B)
                         if signed:
                             x = psign(builder, x, ws[c])
-                        lane = builder.add(lane, madd16(builder, maddubs(builder, qs[c], x), ss[c]))
+                        lane = dot4_scaled(builder, qs[c], x, ss[c], lane)
                     builder.store(lane, lanes_i32[0])
                 else:
                     for i in range(MR):
@@ -94,8 +94,7 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
                             x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
                             if signed:
                                 x = psign(builder, x, wv)
-                            builder.store(builder.add(builder.load(lanes_i32[i]),
-                                                      madd16(builder, maddubs(builder, qv, x), scv)), lanes_i32[i])
+                            builder.store(dot4_scaled(builder, qv, x, scv, builder.load(lanes_i32[i])), lanes_i32[i])
                 for i in range(MR):
                     lanes_i = builder.load(lanes_i32[i])
                     dxb = builder.load(builder.gep(drow[i], [b]))

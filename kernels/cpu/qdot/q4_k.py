@@ -10,8 +10,8 @@ from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, byte_ptr, c64, fma, i32, load_as, madd16, maddubs,
-    splat, vconst, vload, vstore,
+    REGISTERS, VNNI, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, byte_ptr, c64, dot4, fma, i32, load_as,
+    madd16, maddubs, splat, vconst, vload, vstore,
 )
 
 # --- Q4_K: 8 weight rows in the 8 lanes ---------------------------------------------------------
@@ -75,6 +75,8 @@ def _q4_k_kernel(MR: int, per_pair: bool):
             m0f = vconst(V32B, 0x0F)
             lo_pairs = ir.Constant(ir.VectorType(i32, 16), [2 * (e // 2) for e in range(16)])
             hi_pairs = ir.Constant(ir.VectorType(i32, 16), [2 * (e // 2) + 1 for e in range(16)])
+            even = ir.Constant(ir.VectorType(i32, 8), [2 * e for e in range(8)])
+            odd = ir.Constant(ir.VectorType(i32, 8), [2 * e + 1 for e in range(8)])
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 p = builder.gep(group, [builder.mul(b, c64(Q4K_X8_BYTES))])
@@ -94,10 +96,19 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                     c = cloop.index
                     sc = builder.zext(vload(builder, builder.gep(p, [builder.add(c64(1024), builder.mul(c, c64(16)))]), V16B), V16S)
                     mn = builder.zext(vload(builder, builder.gep(p, [builder.add(c64(1088), builder.mul(c, c64(16)))]), V16B), V16S)
-                    sc_lo = builder.shuffle_vector(sc, sc, lo_pairs)
-                    sc_hi = builder.shuffle_vector(sc, sc, hi_pairs)
-                    ilo = [ir.Constant(V16S, [0] * 16)] * MR
-                    ihi = [ir.Constant(V16S, [0] * 16)] * MR
+                    # a sub-block's integer dot per row: with VNNI 8 vpdpbusd into int32 lanes, then
+                    # times its scale (vpmulld); without, vpmaddubsw pairs summed in int16 (at most
+                    # 8*2*15*127, no overflow), then vpmaddwd with the scale. The same integers.
+                    if VNNI:
+                        sc_lo = builder.zext(builder.shuffle_vector(sc, sc, even), V8I)
+                        sc_hi = builder.zext(builder.shuffle_vector(sc, sc, odd), V8I)
+                        zero = ir.Constant(V8I, [0] * 8)
+                        ilo, ihi = [zero] * MR, [zero] * MR
+                    else:
+                        sc_lo = builder.shuffle_vector(sc, sc, lo_pairs)
+                        sc_hi = builder.shuffle_vector(sc, sc, hi_pairs)
+                        zero = ir.Constant(V16S, [0] * 16)
+                        ilo, ihi = [zero] * MR, [zero] * MR
                     xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(64)))
                     pc = builder.gep(p, [builder.mul(c, c64(256))])
                     for step in range(8):
@@ -109,10 +120,17 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                             xb4 = load_as(builder, xrow[i], i32, builder.add(xoff, c64(32 + 4 * step)))
                             xa_v = builder.bitcast(splat(builder, xa4, V8I), V32B)
                             xb_v = builder.bitcast(splat(builder, xb4, V8I), V32B)
-                            ilo[i] = builder.add(ilo[i], maddubs(builder, lo, xa_v))
-                            ihi[i] = builder.add(ihi[i], maddubs(builder, hi, xb_v))
+                            if VNNI:
+                                ilo[i] = dot4(builder, lo, xa_v, ilo[i])
+                                ihi[i] = dot4(builder, hi, xb_v, ihi[i])
+                            else:
+                                ilo[i] = builder.add(ilo[i], maddubs(builder, lo, xa_v))
+                                ihi[i] = builder.add(ihi[i], maddubs(builder, hi, xb_v))
                     for i in range(MR):
-                        isum = builder.add(madd16(builder, ilo[i], sc_lo), madd16(builder, ihi[i], sc_hi))
+                        if VNNI:
+                            isum = builder.add(builder.mul(ilo[i], sc_lo), builder.mul(ihi[i], sc_hi))
+                        else:
+                            isum = builder.add(madd16(builder, ilo[i], sc_lo), madd16(builder, ihi[i], sc_hi))
                         bs = builder.bitcast(splat(builder, builder.load(builder.gep(brow[i], [builder.add(builder.mul(b, c64(4)), c)])), V8I), V16S)
                         msum = madd16(builder, mn, bs)
                         if per_pair:
@@ -138,9 +156,10 @@ def _q4_k_kernel(MR: int, per_pair: bool):
 
 
 q4_k_gemv_1, q4_k_gemm_4 = _q4_k_kernel(1, False), _q4_k_kernel(4, True)
-
-
-
+# With 32 vector registers (AVX-512) a prompt's unpacked weights serve 8 rows at a time, each row
+# still with the gemm arithmetic llama.cpp gives it (its groups of 4 only pick which rows get it).
+GEMM_MR = 8 if REGISTERS == 32 else 4
+q4_k_gemm_wide = _q4_k_kernel(GEMM_MR, True)
 q4_k_gemv_4 = _q4_k_kernel(4, False)
 q4_k_gemv_2 = _q4_k_kernel(2, False)     # two rows left over: one unpack for both (a speculative check)
 
@@ -160,6 +179,9 @@ def _q4_k_rows(wx8, xq, dx, bsp, run_start, run_len, run_batched, out):
             c1 = min(r0 + n, c0 + chunk)
             for g in prange(wx8.shape[0]):
                 m = c0
+                while m + GEMM_MR <= min(c1, r0 + n_gemm):
+                    q4_k_gemm_wide(wx8, g, xq, dx, bsp, m, out)
+                    m += GEMM_MR
                 while m + 4 <= min(c1, r0 + n_gemm):
                     q4_k_gemm_4(wx8, g, xq, dx, bsp, m, out)
                     m += 4

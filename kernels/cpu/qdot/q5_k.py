@@ -10,7 +10,7 @@ from numba.extending import intrinsic
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i16, i32,
-    lanes, load_as, madd16, maddubs, pshufb, splat, vconst, vload,
+    lanes, load_as, dot4_scaled, pshufb, splat, vconst, vload,
 )
 
 # --- Q5_K ---------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def _q5_k_kernel(MR: int, tiled: bool):
                         scv = builder.bitcast(pshufb(builder, ms2, ir.Constant(V32B, [s, -128] * 16)), V16S)  # sc_s
                         if MR == 1:    # one row: each sub-block straight from the registers, no buffer
                             x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * s))]), V32B)
-                            lane = builder.add(lane, madd16(builder, maddubs(builder, qv, x), scv))
+                            lane = dot4_scaled(builder, qv, x, scv, lane)
                             continue
                         builder.store(qv, builder.gep(qbuf, [c32(0), c32(s)]))
                         builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
@@ -109,8 +109,7 @@ def _q5_k_kernel(MR: int, tiled: bool):
                         xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
                         for i in range(MR):
                             x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
-                            builder.store(builder.add(builder.load(lanes_i32[i]),
-                                                      madd16(builder, maddubs(builder, qv, x), scv)), lanes_i32[i])
+                            builder.store(dot4_scaled(builder, qv, x, scv, builder.load(lanes_i32[i])), lanes_i32[i])
                 for i in range(MR):
                     lanes_i = builder.load(lanes_i32[i])
                     bs = vload(builder, builder.gep(brow[i], [builder.mul(b, c64(16))]), V8S)
@@ -147,7 +146,7 @@ def _q5_k_kernel(MR: int, tiled: bool):
 
 
 q5_k_vec_dot_1, q5_k_vec_dot_4 = _q5_k_kernel(1, False), _q5_k_kernel(4, False)
-q5_k_tiled_1, q5_k_tiled_4 = _q5_k_kernel(1, True), _q5_k_kernel(4, True)
+q5_k_tiled_1, q5_k_tiled_4, q5_k_tiled_8 = _q5_k_kernel(1, True), _q5_k_kernel(4, True), _q5_k_kernel(8, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q5_k_vec_dot_2, q5_k_vec_dot_3, q5_k_vec_dot_5, q5_k_vec_dot_6, q5_k_vec_dot_7,
  q5_k_vec_dot_8) = (_q5_k_kernel(m, False) for m in (2, 3, 5, 6, 7, 8))
@@ -168,6 +167,9 @@ def _q5_k_rows(w, xq, dx, bsp, run_start, run_len, run_batched, out):
             for row in prange(N):
                 m = c0
                 if tiled:
+                    while m + 8 <= c1:              # 8 rows per unpacked super-block where it can
+                        q5_k_tiled_8(w, row, xq, dx, bsp, m, out)
+                        m += 8
                     while m + 4 <= c1:
                         q5_k_tiled_4(w, row, xq, dx, bsp, m, out)
                         m += 4

@@ -10,7 +10,7 @@ from numba.extending import intrinsic
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
-    load_as, madd16, maddubs, splat, vconst, vload,
+    load_as, madd16, dot4_scaled, splat, vconst, vload,
 )
 
 # --- Q6_K ---------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
                         scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * s] * 8 + [2 * s + 1] * 8))
                         if MR == 1:        # one row: each chunk straight from the registers, no buffer
                             x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * s))]), V32B)
-                            lane = builder.add(lane, madd16(builder, maddubs(builder, qv[k], x), scv))
+                            lane = dot4_scaled(builder, qv[k], x, scv, lane)
                             continue
                         builder.store(qv[k], builder.gep(qbuf, [c32(0), c32(s)]))
                         builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
@@ -93,8 +93,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
                         xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(32)))
                         for i in range(MR):
                             x = vload(builder, builder.gep(xrow[i], [xoff]), V32B)
-                            builder.store(builder.add(builder.load(lanes[i]), madd16(builder, maddubs(builder, qv, x), scv)),
-                                          lanes[i])
+                            builder.store(dot4_scaled(builder, qv, x, scv, builder.load(lanes[i])), lanes[i])
                 for i in range(MR):
                     lanes_i = builder.load(lanes[i])
                     bsv = vload(builder, builder.gep(brow[i], [builder.mul(b, c64(32))]), V16S)
@@ -125,7 +124,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
 
 
 q6_k_vec_dot_1, q6_k_vec_dot_4 = _q6_k_kernel(1, False), _q6_k_kernel(4, False)
-q6_k_tiled_1, q6_k_tiled_4 = _q6_k_kernel(1, True), _q6_k_kernel(4, True)
+q6_k_tiled_1, q6_k_tiled_4, q6_k_tiled_8 = _q6_k_kernel(1, True), _q6_k_kernel(4, True), _q6_k_kernel(8, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q6_k_vec_dot_2, q6_k_vec_dot_3, q6_k_vec_dot_5, q6_k_vec_dot_6, q6_k_vec_dot_7,
  q6_k_vec_dot_8) = (_q6_k_kernel(m, False) for m in (2, 3, 5, 6, 7, 8))
@@ -146,6 +145,9 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
             for row in prange(N):
                 m = c0
                 if tiled:
+                    while m + 8 <= c1:              # 8 rows per unpacked super-block where it can
+                        q6_k_tiled_8(w, row, xq, dx, bs16, m, out)
+                        m += 8
                     while m + 4 <= c1:
                         q6_k_tiled_4(w, row, xq, dx, bs16, m, out)
                         m += 4
