@@ -92,9 +92,10 @@ def test_forced_cpu_choices_are_in_force():
     for feature in os.environ.get("NPY_DISABLE_CPU_FEATURES", "").split():
         assert not __cpu_features__.get(feature), f"numpy still dispatches {feature}"
     name, features = isa.compiled_for()
-    if isa.chosen() == "avx2":
+    if isa.chosen() in ("avx2", "avxvnni"):      # x86-64-v3, plus AVX-VNNI's vpdpbusd for the second
         assert name == "x86-64-v3" and not any(f"+{f}" in features for f in ("avx512", "amx", "gfni", "vaes")), \
             (name, features)
+        assert ("+avxvnni" in features) == (isa.chosen() == "avxvnni"), features
     else:
         assert name != "x86-64-v3"
 
