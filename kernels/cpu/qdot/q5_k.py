@@ -146,7 +146,7 @@ def _q5_k_kernel(MR: int, tiled: bool):
 
 
 q5_k_vec_dot_1, q5_k_vec_dot_4 = _q5_k_kernel(1, False), _q5_k_kernel(4, False)
-q5_k_tiled_1, q5_k_tiled_4, q5_k_tiled_8 = _q5_k_kernel(1, True), _q5_k_kernel(4, True), _q5_k_kernel(8, True)
+q5_k_tiled_1, q5_k_tiled_4 = _q5_k_kernel(1, True), _q5_k_kernel(4, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q5_k_vec_dot_2, q5_k_vec_dot_3, q5_k_vec_dot_5, q5_k_vec_dot_6, q5_k_vec_dot_7,
  q5_k_vec_dot_8) = (_q5_k_kernel(m, False) for m in (2, 3, 5, 6, 7, 8))
@@ -167,9 +167,6 @@ def _q5_k_rows(w, xq, dx, bsp, run_start, run_len, run_batched, out):
             for row in prange(N):
                 m = c0
                 if tiled:
-                    while m + 8 <= c1:              # 8 rows per unpacked super-block where it can
-                        q5_k_tiled_8(w, row, xq, dx, bsp, m, out)
-                        m += 8
                     while m + 4 <= c1:
                         q5_k_tiled_4(w, row, xq, dx, bsp, m, out)
                         m += 4

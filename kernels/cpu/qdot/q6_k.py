@@ -124,7 +124,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
 
 
 q6_k_vec_dot_1, q6_k_vec_dot_4 = _q6_k_kernel(1, False), _q6_k_kernel(4, False)
-q6_k_tiled_1, q6_k_tiled_4, q6_k_tiled_8 = _q6_k_kernel(1, True), _q6_k_kernel(4, True), _q6_k_kernel(8, True)
+q6_k_tiled_1, q6_k_tiled_4 = _q6_k_kernel(1, True), _q6_k_kernel(4, True)
 # A speculative check verifies 1 to 8 rows with the one-row arithmetic: one unpack of W for up to 8.
 (q6_k_vec_dot_2, q6_k_vec_dot_3, q6_k_vec_dot_5, q6_k_vec_dot_6, q6_k_vec_dot_7,
  q6_k_vec_dot_8) = (_q6_k_kernel(m, False) for m in (2, 3, 5, 6, 7, 8))
@@ -145,9 +145,6 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
             for row in prange(N):
                 m = c0
                 if tiled:
-                    while m + 8 <= c1:              # 8 rows per unpacked super-block where it can
-                        q6_k_tiled_8(w, row, xq, dx, bs16, m, out)
-                        m += 8
                     while m + 4 <= c1:
                         q6_k_tiled_4(w, row, xq, dx, bs16, m, out)
                         m += 4
