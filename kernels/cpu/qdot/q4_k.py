@@ -24,6 +24,9 @@ from kernels.cpu.simd import (
 #   sc [c][row][2]: the 6-bit scales of sub-blocks 2c, 2c+1; mn [c][row][2]: their minimums
 #   d [row] f16, dmin [row] f16
 Q4K_X8_BYTES = 1024 + 64 + 64 + 16 + 16
+# The sub-blocks' dots as vpdpbusd (then vpmulld by the scale) with AVX-512 VNNI; with AVX-VNNI's 16
+# registers the vpmaddubsw + vpmaddwd chain measured faster (README: measured).
+DOTS_VNNI = VNNI and REGISTERS == 32
 
 
 def repack_q4_k_x8(raw: np.ndarray, n_cols: int) -> np.ndarray:
@@ -96,10 +99,10 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                     c = cloop.index
                     sc = builder.zext(vload(builder, builder.gep(p, [builder.add(c64(1024), builder.mul(c, c64(16)))]), V16B), V16S)
                     mn = builder.zext(vload(builder, builder.gep(p, [builder.add(c64(1088), builder.mul(c, c64(16)))]), V16B), V16S)
-                    # a sub-block's integer dot per row: with VNNI 8 vpdpbusd into int32 lanes, then
+                    # a sub-block's integer dot per row: with DOTS_VNNI 8 vpdpbusd into int32 lanes, then
                     # times its scale (vpmulld); without, vpmaddubsw pairs summed in int16 (at most
                     # 8*2*15*127, no overflow), then vpmaddwd with the scale. The same integers.
-                    if VNNI:
+                    if DOTS_VNNI:
                         sc_lo = builder.zext(builder.shuffle_vector(sc, sc, even), V8I)
                         sc_hi = builder.zext(builder.shuffle_vector(sc, sc, odd), V8I)
                         zero = ir.Constant(V8I, [0] * 8)
@@ -120,14 +123,14 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                             xb4 = load_as(builder, xrow[i], i32, builder.add(xoff, c64(32 + 4 * step)))
                             xa_v = builder.bitcast(splat(builder, xa4, V8I), V32B)
                             xb_v = builder.bitcast(splat(builder, xb4, V8I), V32B)
-                            if VNNI:
+                            if DOTS_VNNI:
                                 ilo[i] = dot4(builder, lo, xa_v, ilo[i])
                                 ihi[i] = dot4(builder, hi, xb_v, ihi[i])
                             else:
                                 ilo[i] = builder.add(ilo[i], maddubs(builder, lo, xa_v))
                                 ihi[i] = builder.add(ihi[i], maddubs(builder, hi, xb_v))
                     for i in range(MR):
-                        if VNNI:
+                        if DOTS_VNNI:
                             isum = builder.add(builder.mul(ilo[i], sc_lo), builder.mul(ihi[i], sc_hi))
                         else:
                             isum = builder.add(madd16(builder, ilo[i], sc_lo), madd16(builder, ihi[i], sc_hi))
