@@ -105,13 +105,11 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                     if DOTS_VNNI:
                         sc_lo = builder.zext(builder.shuffle_vector(sc, sc, even), V8I)
                         sc_hi = builder.zext(builder.shuffle_vector(sc, sc, odd), V8I)
-                        zero = ir.Constant(V8I, [0] * 8)
-                        ilo, ihi = [zero] * MR, [zero] * MR
                     else:
                         sc_lo = builder.shuffle_vector(sc, sc, lo_pairs)
                         sc_hi = builder.shuffle_vector(sc, sc, hi_pairs)
-                        zero = ir.Constant(V16S, [0] * 16)
-                        ilo, ihi = [zero] * MR, [zero] * MR
+                    zero = ir.Constant(V8I, [0] * 8) if DOTS_VNNI else ir.Constant(V16S, [0] * 16)
+                    ilo, ihi = [zero] * MR, [zero] * MR
                     xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(64)))
                     pc = builder.gep(p, [builder.mul(c, c64(256))])
                     for step in range(8):
