@@ -72,7 +72,7 @@ def settle(backend: str, device: str, gguf: GGUFFile, n_ctx: int, auto_backend: 
     why). --device auto leaves CUDA for the native engine when the model and its KV cache do not
     fit in the GPU's free memory (said through `note`)."""
     if auto_backend and not (device == "cuda" and not auto_device):    # (--device cuda: the torch engine only)
-        lacks = gguf.unsupported()
+        lacks = gguf.unsupported(cpu=device != "cuda")
         if lacks is not None:
             return "llama.cpp", "cpu", lacks
         backend = "native" if backend == "auto" else backend

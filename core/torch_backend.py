@@ -92,7 +92,7 @@ class TorchBackend(PagedBackend):
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
                  n_blocks: int | None = None):
         check_device(device)
-        gguf.require_supported()
+        gguf.require_supported(cpu=False)
         super().__init__(tokenizer, n_ctx)
         import torch
 

@@ -16,11 +16,6 @@ def dequantize_ref(raw: np.ndarray, ggml_type: int, n_cols: int) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(-1, n_cols)
 
 
-def matmul_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """y = x @ W.T in float64; w (N, K), x (K,) or (M, K)."""
-    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-
-
 def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x64 = x.astype(np.float64)
     return (x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * w).astype(np.float32)

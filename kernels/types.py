@@ -5,7 +5,7 @@ reads its record (TRAITS[t]). Plain data: importing it compiles nothing.
 A record says what a block is (elements, bytes), what llama.cpp quantizes the activations to before
 its integer dot product with that type (`vec_dot`: q8_0 or q8_K, the one encoding of it), and how
 the exact kernels (kernels.cpu.qdot) lay the weights out: 8 rows interleaved per group, or the GGUF
-rows as they are. Types without `vec_dot` run the float kernels (kernels.cpu.matmul).
+rows as they are. Types without `vec_dot` have no exact kernel, and the CPU engine does not run them.
 """
 from __future__ import annotations
 
@@ -77,10 +77,6 @@ ACT_KIND = np.full(max(TRAITS) + 1, -1, np.int64)
 for _t in TRAITS.values():
     if _t.vec_dot is not None:
         ACT_KIND[_t.id] = _t.vec_dot
-
-# the activation llama.cpp's matmul feeds each quantized type (kernels.cpu.activations rounds to it)
-Q8_0_ACTIVATION_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL})
-Q8_K_ACTIVATION_TYPES = frozenset({Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS})
 
 
 def type_name(ggml_type: int) -> str:

@@ -227,9 +227,10 @@ class GGUFFile:
         return Counter(t.type_name for t in self.tensors.values())
 
     # --- checks the engines need -----------------------------------------------------------
-    def unsupported(self) -> str | None:
+    def unsupported(self, cpu: bool = True) -> str | None:
         """What of this file kvchat's own engines do not run ("architecture 'phi2'", "tensor type
-        TQ2_0"), or None when they run all of it. (llama.cpp may still run it: --backend auto.)"""
+        TQ2_0"), or None when they run all of it. (llama.cpp may still run it: --backend auto.)
+        cpu: the CPU engine's, which runs every matrix on an exact kernel (kernels.cpu.qdot)."""
         if self.arch not in ARCHITECTURES:
             return f"architecture '{self.arch}'"
         scaling = self.arch_get("rope.scaling.type") or "none"
@@ -238,11 +239,25 @@ class GGUFFile:
         if any(name in self.tensors for name in LONGROPE_TENSORS):
             return "LongRoPE rope scaling"
         bad = sorted({t.type_name for t in self.tensors.values() if t.ggml_type not in SUPPORTED_TYPES})
-        return f"tensor type{'s' if len(bad) > 1 else ''} {', '.join(bad)}" if bad else None
+        if bad:
+            return f"tensor type{'s' if len(bad) > 1 else ''} {', '.join(bad)}"
+        return self._cpu_unsupported() if cpu else None
 
-    def require_supported(self) -> "GGUFFile":
+    def _cpu_unsupported(self) -> str | None:
+        from kernels.cpu.qdot import has_exact_kernel
+        from kernels.cpu.simd import HAS_AVX2
+        if not HAS_AVX2:
+            return "this CPU (its kernels need AVX2)"
+        tied = "output.weight" not in self.tensors
+        for name, t in self.tensors.items():        # the embedding only gathers rows, unless it is the output
+            if len(t.shape) == 2 and (tied or name != "token_embd.weight") and \
+                    not has_exact_kernel(t.ggml_type, t.shape[1], t.shape[0]):
+                return f"{t.type_name} matrices of {t.shape[1]} rows ({name})"
+        return None
+
+    def require_supported(self, cpu: bool = True) -> "GGUFFile":
         """Refuse architectures and tensor types kvchat's engines cannot run."""
-        reason = self.unsupported()
+        reason = self.unsupported(cpu)
         if reason is not None:
             known = f" (it runs {', '.join(ARCHITECTURES)})" if reason.startswith("architecture") else ""
             raise BadInputError(f"kvchat's engine does not run {reason} in {self.path.name}{known}; "

@@ -3,29 +3,27 @@
 Each architecture file (llama.py, qwen2.py, qwen3.py, gemma2.py, gemma3.py) fills a frozen
 `DecoderConfig` from its GGUF metadata; the differences between them are data in that config
 (biases, rope style and scaling, Q/K norms, post-norms, activation, embedding scale, per-layer
-window and rope base, soft-capping), so one forward pass serves them all. All arithmetic goes
-through kernels.cpu; nothing here imports numba.
+window and rope base, soft-capping), so one forward pass serves them all. The arithmetic of a layer
+is kernels.cpu.fused.layer's, written once; here are the weights it reads and the plan of each pass.
+Nothing here imports numba.
 
 Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
 
-from kernels.cpu import fused
-from kernels.cpu.attention import decode_plan, exact_head_dim
-from kernels.cpu.ops import gelu_table, soft_cap_rows
-from kernels.cpu.qdot import EXACT_TYPES, Int8Rows, Q8Buffers, exact_layout, run_arrays
-from kernels.types import TRAITS
-from kernels.cpu import (QMatrix, attention_decode, attention_decode_rows, attention_prefill, block_slots, geglu_tanh,
-                         rms_norm, rope, rope_table, swiglu, write_kv, write_kv_slots)
-from kernels.cpu.activations import round_like_llama_cpp, round_to_f16
+from kernels.cpu import QMatrix, fused, rope_table
+from kernels.cpu.attention import attention_plan
 from kernels.cpu.libm import inv_sqrtf
+from kernels.cpu.ops import gelu_table
+from kernels.cpu.qdot import EXACT_TYPES, Q8Buffers, exact_layout, layout_prefix, run_arrays
+from kernels.types import TRAITS
 from models.architectures import ROPE_SCALING_TYPES
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
@@ -150,13 +148,22 @@ class Weights:
         os.replace(tmp, path)
         return np.load(path, mmap_mode="r")
 
-    def matrix(self, name: str, build_exact: bool = True) -> QMatrix:
+    def matrix(self, name: str, exact: bool = True) -> QMatrix:
+        """The matrix `name`, with its exact kernels' layout (every matrix a layer reads has one; the
+        embedding only gathers rows)."""
         info, k, n = self._info(name)
-        if not build_exact or info.ggml_type not in REPACKED_TYPES:
-            return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=build_exact)
-        # None where qdot has no exact kernel for this matrix (kernels.types' rows8): nothing is cached
-        layout = self._cached_layout(name, lambda: exact_layout(self._data[name], info.ggml_type, n, k))
+        if not exact:
+            return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=False)
+        build = lambda: exact_layout(self._data[name], info.ggml_type, n, k)      # noqa: E731
+        # a repack is cached; None where qdot has no exact kernel for this matrix (kernels.types' rows8)
+        layout = self._cached_layout(name, build) if info.ggml_type in REPACKED_TYPES else build()
+        if layout is None:
+            raise BadInputError(f"kvchat's engine has no exact kernel for {name} ({TRAITS[info.ggml_type].name}, "
+                                f"{n} rows of {k}) on this CPU; --backend llama.cpp (or auto) runs it")
         return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
+
+    def n_rows(self, name: str) -> int:
+        return self._info(name)[2]
 
     def fusable(self, names: Sequence[str]) -> bool:
         """Can these matrices (one input) run as one exact matmul over their concatenated rows?"""
@@ -179,9 +186,6 @@ class Weights:
             raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
         return np.array(self._data[name], dtype=np.float32).reshape(-1)
 
-    def maybe_vector(self, name: str) -> np.ndarray | None:
-        return self.vector(name) if name in self else None
-
 
 # The exact kernels' layouts that are repacks (worth caching on disk); the others read the GGUF rows.
 REPACKED_TYPES = frozenset(t for t in EXACT_TYPES if TRAITS[t].x8)
@@ -189,14 +193,9 @@ REPACKED_TYPES = frozenset(t for t in EXACT_TYPES if TRAITS[t].x8)
 
 class KVView(Protocol):
     """What forward needs of a sequence's paged cache (core.kv_cache.Sequence provides it)."""
-    k_cache: Sequence[np.ndarray]     # per layer (n_blocks, block_size, Hkv, hd) float32
+    k_cache: Sequence[np.ndarray]     # per layer (n_blocks, block_size, Hkv, hd) float16
     v_cache: Sequence[np.ndarray]
     block_table: np.ndarray           # int32, logical block -> physical block
-
-
-# Float path (weight types without exact int8 kernels): segments of at most this many rows go
-# through gemv row by row (below ~64 rows that beats dequantize + GEMM), longer ones through GEMM.
-SMALL_BATCH = 64
 
 
 # (kv: KVView, start_pos: int, n_tokens: int[, decode_rows: bool]): one sequence's run of new tokens.
@@ -205,109 +204,23 @@ SMALL_BATCH = 64
 # sequence's prompt chunk.
 Segment = tuple
 
-
-@dataclass(frozen=True)
-class RowPlan:
-    """How a forward pass's rows go through the matmuls, per segment:
-    spans (row0, row1, use_gemm) for the float path, and runs (row0, n, batched) for the exact
-    int8 path (qdot.matmul: a batched run gets llama.cpp's arithmetic for a batch of n rows, a
-    one-row run each row's single-token arithmetic). Either way a sequence's rows get the same
-    numbers whatever else shares the pass."""
-    spans: tuple
-    runs: tuple             # as qdot.run_arrays gives them
-    attn: "AttentionRows | None" = None
-
-    @staticmethod
-    def of(segments: Sequence[Segment]) -> "RowPlan":
-        spans: list[tuple[int, int, bool]] = []
-        runs: list[tuple[int, int, bool]] = []
-        row = 0
-        for _, _, n, decode_rows in segments:
-            gemm = n > SMALL_BATCH
-            if spans and not gemm and not spans[-1][2]:
-                spans[-1] = (spans[-1][0], row + n, False)
-            else:
-                spans.append((row, row + n, gemm))
-            runs.append((row, n, not decode_rows))
-            row += n
-        return RowPlan(tuple(spans), run_arrays(runs))
-
-
-@dataclass(frozen=True)
-class AttentionRows:
-    """Where a forward pass's rows go in attention, worked out once for all layers when every
-    segment uses the same cache arrays (a batch step, a speculative check): each row's cache cell,
-    and the decode rows (attention_decode_rows: all of them in one kernel call, not one call per row
-    and layer) with their block tables and key counts."""
-    slots: np.ndarray         # (T,) int64 cache cell of each row's K and V
-    decode: np.ndarray        # (R,) int64 rows that take the one-token arithmetic
-    tables: np.ndarray        # (R, max blocks) int32 their sequences' block tables, zero-padded
-    n_kvs: np.ndarray         # (R,) int64 keys each sees (its position + 1)
-
-    @staticmethod
-    def of(segments: Sequence[Segment]) -> "AttentionRows | None":
-        first = segments[0][0]
-        if any(kv.k_cache is not first.k_cache or kv.v_cache is not first.v_cache for kv, _, _, _ in segments):
-            return None
-        bs = first.k_cache[0].shape[1]
-        slots, decode, tables, n_kvs = [], [], [], []
-        row = 0
-        for kv, start, n, decode_rows in segments:
-            table = kv.block_table
-            slots.append(block_slots(table, start, n, bs))
-            if decode_rows:
-                decode.extend(range(row, row + n))
-                tables.extend([table] * n)
-                n_kvs.extend(range(start + 1, start + n + 1))
-            row += n
-        width = max((len(t) for t in tables), default=0)
-        padded = np.zeros((len(tables), width), np.int32)
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = t
-        return AttentionRows(np.concatenate(slots), np.array(decode, np.int64), padded, np.array(n_kvs, np.int64))
-
-
-def _mm(w: QMatrix, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict | None = None,
-        n_out: int | None = None) -> np.ndarray:
-    """x (T, K) -> (T, N) (or the first n_out columns).
-
-    With llama_rounding (the default) and an exact int8 kernel for w's type, x is quantized as
-    llama.cpp's matmul quantizes it (q8_0 / q8_K) and the product is llama.cpp's, bit for bit, in
-    one pass over W; `shared` keeps the quantized x for the next matrix that reads the same x.
-    Other types: with llama_rounding x is first rounded to what llama.cpp's matmul effectively
-    uses; row-by-row spans read W once per row (gemv), GEMM spans dequantize W tile by tile."""
-    if llama_rounding and w.exact is not None:
-        kind = TRAITS[w.ggml_type].vec_dot
-        rows = shared.get(kind) if shared is not None else None
-        if rows is None:
-            rows = Int8Rows(np.ascontiguousarray(x, np.float32), kind)
-            if shared is not None:
-                shared[kind] = rows
-        return w.matmul_int8(rows, n_out, plan.runs)
-    if llama_rounding:
-        x = round_like_llama_cpp(x, w.ggml_type)
-    out = np.empty((x.shape[0], w.n_rows), np.float32)
-    for r0, r1, gemm in plan.spans:
-        if gemm:
-            out[r0:r1] = w.gemm(x[r0:r1])
-        else:
-            for r in range(r0, r1):
-                out[r] = w.gemv(x[r])
-    return out if n_out is None else out[:, :n_out]
+# Row counts up to this keep their buffers between passes (decode steps, speculative checks, batch
+# steps of up to 16 sequences), at most POOL_SIZE sets of them; a prompt chunk's are allocated for
+# its pass.
+POOLED_ROWS, POOL_SIZE = 16, 16
 
 
 class Projections:
-    """Matrices that read the same input (q, k, v; gate, up). On the exact path consecutive members
-    of one weight type run as one matmul over their concatenated rows: one pass over the weights,
-    one parallel region, one quantized x (each row's numbers are its own, so the split is exact).
-    The float path takes the members one by one. With `split`, the file already holds the members
-    as one matrix (phi3's attn_qkv and ffn_up): one matmul on either path, its output split."""
+    """Matrices that read the same input (q, k, v; gate, up) as up to three exact layouts (parts):
+    consecutive members of one weight type run as one matmul over their concatenated rows (one pass
+    over the weights, one parallel region, one quantized x; each row's numbers are its own, so the
+    split is exact). With `split`, the file already holds the members as one matrix (phi3's
+    attn_qkv and ffn_up): one matmul, its output split."""
 
     def __init__(self, w: Weights, names: Sequence[str], split: Sequence[int] | None = None):
         self.parts: list[tuple[QMatrix, list[int]]] = []       # (matrix, member indices)
         if split is not None:                                   # names[0]: the members' rows in order
             self.parts.append((w.matrix(names[0]), list(range(len(split)))))
-            self.members: list[QMatrix | None] = [None] * len(split)
             sizes = list(split)
         else:
             i = 0
@@ -317,15 +230,8 @@ class Projections:
                     j -= 1
                 self.parts.append((w.fused(names[i:j]) if j > i + 1 else w.matrix(names[i]), list(range(i, j))))
                 i = j
-            # the members themselves, for the float path (their exact layout is the group's)
-            self.members = [m if len(idx) == 1 else None for m, idx in self.parts for _ in idx]
-            for (m, idx) in self.parts:
-                if len(idx) > 1:
-                    for k in idx:
-                        self.members[k] = w.matrix(names[k], build_exact=False)
-            sizes = [m.n_rows for m in self.members]
-        self.sizes = sizes
-        # member k's output: columns col0 .. col0 + n_rows of part p's output
+            sizes = [w.n_rows(name) for name in names]
+        # member k's output: columns col0 .. col0 + sizes[k] of part p's output
         self.where: list[tuple[int, int, int]] = []
         for p, (_, idx) in enumerate(self.parts):
             col0 = 0
@@ -333,25 +239,13 @@ class Projections:
                 self.where.append((p, col0, sizes[k]))
                 col0 += sizes[k]
 
-    def __call__(self, x: np.ndarray, plan: RowPlan, llama_rounding: bool, shared: dict) -> list[np.ndarray]:
-        outs = []
-        for m, idx in self.parts:
-            if len(idx) > 1 and not llama_rounding and self.members[idx[0]] is not None:
-                outs.extend(_mm(self.members[k], x, plan, False) for k in idx)
-                continue
-            y = _mm(m, x, plan, llama_rounding, shared)                     # (T, sum of members' rows)
-            c0 = 0
-            for k in idx:
-                outs.append(y[:, c0:c0 + self.sizes[k]])
-                c0 += self.sizes[k]
-        return outs
-
     def matrices(self):
         yield from (m for m, _ in self.parts)
 
 
 class Block:
-    """One pre-norm decoder layer (with gemma3's extra post-norms when the config asks)."""
+    """One pre-norm decoder layer's weights (with gemma3's extra post-norms when the config asks),
+    as kernels.cpu.fused.layer reads them."""
 
     def __init__(self, cfg: DecoderConfig, w: Weights, il: int):
         p = f"blk.{il}."
@@ -364,177 +258,55 @@ class Block:
         else:
             self.qkv = Projections(w, [p + f"attn_{n}.weight" for n in "qkv"])
         self.wo = w.matrix(p + "attn_output.weight")
-        self.bq, self.bk, self.bv = (w.maybe_vector(p + f"attn_{n}.bias") for n in "qkv")
-        self.q_norm = w.vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
-        self.k_norm = w.vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
-        self.post_attn_norm = w.vector(p + "post_attention_norm.weight") if cfg.post_norms else None
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
         if p + "ffn_gate.weight" in w:
             self.gate_up = Projections(w, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         else:                                                               # phi3: ffn_up holds gate, then up
             self.gate_up = Projections(w, [p + "ffn_up.weight"], split=(cfg.n_ff, cfg.n_ff))
         self.w_down = w.matrix(p + "ffn_down.weight")
-        self.post_ffn_norm = w.vector(p + "post_ffw_norm.weight") if cfg.post_norms else None
-        self.act = geglu_tanh if cfg.activation == "geglu_tanh" else swiglu
-        self.llama_rounding = True       # round activations as llama.cpp does; False = exact float32
-        self.softmax = "llama.cpp"       # attention's softmax: "llama.cpp" or "online" (flash)
-        self._row_bufs: dict = {}        # row count -> fused.RowBuffers (shared with same-shaped layers)
-
-    def attention(self, x: np.ndarray, positions: np.ndarray, segments: Sequence[Segment], plan: RowPlan,
-                  rope_tables: dict) -> np.ndarray:
-        cfg = self.cfg
-        T, hd = x.shape[0], cfg.head_dim
-        h = rms_norm(x, self.attn_norm, cfg.norm_eps)                      # (T, D)
-        shared: dict = {}                                                  # h quantized once for q, k, v
-        mm = lambda w, a: _mm(w, a, plan, self.llama_rounding, shared if a is h else None)  # noqa: E731
-        q, k, v = self.qkv(h, plan, self.llama_rounding, shared)           # (T, Hq*hd), (T, Hkv*hd) x2
-        if self.bq is not None:
-            q += self.bq
-            k += self.bk
-            v += self.bv
-        q = q.reshape(T, cfg.n_head, hd)
-        k = k.reshape(T, cfg.n_head_kv, hd)
-        v = v.reshape(T, cfg.n_head_kv, hd)
-        if self.q_norm is not None:  # per-head RMSNorm over hd
-            q = rms_norm(q.reshape(-1, hd), self.q_norm, cfg.norm_eps).reshape(T, cfg.n_head, hd)
-            k = rms_norm(k.reshape(-1, hd), self.k_norm, cfg.norm_eps).reshape(T, cfg.n_head_kv, hd)
-        table = rope_tables.get(self.rope_base)                            # (T, n_rot/2, 2) cos, sin
-        if table is None:
-            table = rope_tables[self.rope_base] = cfg.rope_table(positions, self.rope_base)
-        q = rope(q, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hq, hd)
-        k = rope(k, positions, self.rope_base, cfg.rope_neox, cfg.n_rot, table)   # (T, Hkv, hd)
-        scale = cfg.attn_scale
-        if cfg.scale_q:          # gemma3's graph scales Q (float32) before attention: its f16 copy
-            q = q * np.float32(scale)   # then rounds the scaled values (small ones land in f16's subnormals)
-            scale = 1.0
-        if self.llama_rounding:  # llama.cpp multiplies K by an f16 copy of Q (K and V: the f16 cache)
-            q = round_to_f16(q)
-        o = np.empty((T, cfg.n_head, hd), np.float32)                      # (T, Hq, hd)
-        rows_plan = plan.attn
-        if rows_plan is not None:
-            kc, vc = segments[0][0].k_cache[self.il], segments[0][0].v_cache[self.il]
-            write_kv_slots(kc, vc, rows_plan.slots, k, v)
-            # two decode rows or more in one call (one row keeps attention_decode's split over keys)
-            together = (rows_plan.decode.shape[0] > 1 and self.softmax == "llama.cpp" and exact_head_dim(hd))
-            if together:
-                idx = rows_plan.decode
-                o[idx] = attention_decode_rows(q[idx], kc, vc, rows_plan.tables, rows_plan.n_kvs, scale, self.window,
-                                               cfg.attn_softcap)
-        row = 0
-        for kv, start_pos, n, decode_rows in segments:  # each sequence attends to its own paged cache
-            kc, vc, table = kv.k_cache[self.il], kv.v_cache[self.il], kv.block_table
-            rows = slice(row, row + n)
-            if rows_plan is None:
-                write_kv(kc, vc, table, start_pos, np.ascontiguousarray(k[rows]), np.ascontiguousarray(v[rows]))
-            elif decode_rows and together:
-                row += n
-                continue
-            if decode_rows:  # the one-token kernel row by row: a speculative check sees decode's numbers
-                for i in range(n):
-                    o[row + i] = attention_decode(q[row + i], kc, vc, table, start_pos + i + 1, scale,
-                                                  self.window, softmax=self.softmax, softcap=cfg.attn_softcap)
-            else:
-                o[rows] = attention_prefill(np.ascontiguousarray(q[rows]), kc, vc, table, start_pos,
-                                            scale, self.window, softmax=self.softmax, softcap=cfg.attn_softcap)
-            row += n
-        o = mm(self.wo, o.reshape(T, cfg.n_head * hd))                    # (T, D)
-        if self.post_attn_norm is not None:
-            o = rms_norm(o, self.post_attn_norm, cfg.norm_eps)
-        return o
-
-    def ffn(self, x: np.ndarray, plan: RowPlan) -> np.ndarray:
-        h = rms_norm(x, self.ffn_norm, self.cfg.norm_eps)                  # (T, D)
-        shared: dict = {}                                                  # h quantized once for gate, up
-        mm = lambda w, a: _mm(w, a, plan, self.llama_rounding, shared if a is h else None)  # noqa: E731
-        gate, up = self.gate_up(h, plan, self.llama_rounding, shared)
-        a = self.act(gate, up)                                             # (T, n_ff)
-        o = mm(self.w_down, a)                                            # (T, D)
-        if self.post_ffn_norm is not None:
-            o = rms_norm(o, self.post_ffn_norm, self.cfg.norm_eps)
-        return o
-
-    # --- one token, fused (see kernels.cpu.fused) ------------------------------------------------
-    def can_decode_one(self) -> bool:
-        if getattr(self, "_exact_all", None) is None:
-            mats = [*self.qkv.matrices(), self.wo, *self.gate_up.matrices(), self.w_down]
-            self._exact_all = exact_head_dim(self.cfg.head_dim) and all(m.exact is not None for m in mats)
-        return self._exact_all and self.llama_rounding and self.softmax == "llama.cpp"
-
-    def fused_weights(self) -> fused.LayerWeights:
-        """The layer as kernels.cpu.fused.decode_layer reads it (built once)."""
-        if getattr(self, "_fused", None) is None:
-            cfg = self.cfg
-            opt = lambda v: v if v is not None else fused.NONE                 # noqa: E731
-            proj = lambda p: fused.Projection.of([(m.exact, m.ggml_type) for m, _ in p.parts], p.where)  # noqa: E731
-            self._fused = fused.LayerWeights(
-                cfg.n_head, cfg.n_head_kv, cfg.head_dim, np.float32(cfg.norm_eps),
-                self.attn_norm, proj(self.qkv), opt(self.bq), opt(self.bk), opt(self.bv),
-                opt(self.q_norm), opt(self.k_norm), cfg.rope_neox,
-                np.float32(cfg.attn_scale if cfg.scale_q else 1.0), np.float32(1.0 if cfg.scale_q else cfg.attn_scale),
-                np.float32(cfg.attn_softcap),
-                self.wo.exact, self.wo.ggml_type, opt(self.post_attn_norm),
-                self.ffn_norm, proj(self.gate_up), self.act is geglu_tanh, gelu_table(),
-                self.w_down.exact, self.w_down.ggml_type, opt(self.post_ffn_norm))
-        return self._fused
-
-    def decode_rows(self, x: np.ndarray, kv: KVView, cs: np.ndarray, plan, pool: fused.RowBufferPool) -> np.ndarray:
-        """R tokens x (R, D) of one sequence, in place, each with the numbers it gets alone (decode
-        rows: a decode step, a speculative check): exactly the general path's arithmetic (and bits),
-        as one compiled call (kernels.cpu.fused.decode_layer). cs: rope's cos/sin of the positions;
-        plan: attention.decode_plan for this layer's window."""
-        w, R = self.fused_weights(), x.shape[0]
-        bufs = self._row_bufs.get(R)
-        if bufs is None:                 # the pool's shape key once per row count, not per step
-            bufs = self._row_bufs[R] = pool.get(w, R)
-        fused.decode_layer(x, cs, w, kv.k_cache[self.il].view(np.uint16), kv.v_cache[self.il].view(np.uint16),
-                           plan, bufs)
-        return x
-
-    def __call__(self, x, positions, segments, plan: RowPlan, rope_tables: dict, keep=None):
-        """rope_tables: the forward pass's rope_table per rope base, filled by the first layer using it.
-        keep: (row indices, their RowPlan): after attention only these rows go on (the last layer,
-        as llama.cpp's graph keeps only the rows whose logits are wanted, so its FFN sees a batch
-        of that size)."""
-        a = self.attention(x, positions, segments, plan, rope_tables)
-        if keep is not None:
-            rows, plan = keep
-            x, a = x[rows], a[rows]
-        x = x + a
-        return x + self.ffn(x, plan)
+        bias = lambda n: w.vector(p + f"attn_{n}.bias") if p + f"attn_{n}.bias" in w else fused.NONE   # noqa: E731
+        need = lambda name, on: w.vector(p + name) if on else fused.NONE                             # noqa: E731
+        proj = lambda pr: fused.Projection.of([(m.exact, m.ggml_type) for m, _ in pr.parts], pr.where)  # noqa: E731
+        self.weights = fused.LayerWeights(
+            cfg.n_head, cfg.n_head_kv, cfg.head_dim, np.float32(cfg.norm_eps), self.attn_norm, proj(self.qkv),
+            bias("q"), bias("k"), bias("v"),
+            need("attn_q_norm.weight", cfg.qk_norm), need("attn_k_norm.weight", cfg.qk_norm), cfg.rope_neox,
+            np.float32(cfg.attn_scale if cfg.scale_q else 1.0), np.float32(1.0 if cfg.scale_q else cfg.attn_scale),
+            np.float32(cfg.attn_softcap), self.wo.exact, self.wo.ggml_type,
+            need("post_attention_norm.weight", cfg.post_norms), self.ffn_norm, proj(self.gate_up),
+            cfg.activation == "geglu_tanh", gelu_table(), self.w_down.exact, self.w_down.ggml_type,
+            need("post_ffw_norm.weight", cfg.post_norms))
+        self.shape = fused.buffer_shape(self.weights)     # what its row buffers' shapes depend on
 
 
 class Decoder:
-    """Token embedding -> n_layer Blocks -> final norm -> output projection (tied to the embedding if absent)."""
+    """Token embedding -> n_layer Blocks -> final norm -> output projection (tied to the embedding if absent).
+
+    Every pass (decode step, speculative check, prompt chunk, batch step) runs each layer as one
+    compiled call, kernels.cpu.fused.layer; this class plans the rows and owns their buffers."""
 
     def __init__(self, cfg: DecoderConfig, g: GGUFFile, progress=None, cache_dir: Path | None = None):
         self.cfg = cfg
         w = Weights(g, cache_dir)
-        self.tok_embd = w.matrix("token_embd.weight")
+        tied = "output.weight" not in w
+        self.tok_embd = w.matrix("token_embd.weight", exact=tied)
         self.blocks = []
         for il in range(cfg.n_layer):
             self.blocks.append(Block(cfg, w, il))
             if progress:
                 progress("loading weights", il + 1, cfg.n_layer)
         self.output_norm = w.vector("output_norm.weight")
-        self.output = w.matrix("output.weight") if "output.weight" in w else self.tok_embd
+        self.output = self.tok_embd if tied else w.matrix("output.weight")
         self.nbytes = sum(m.nbytes for m in self._matrices())
-        self.llama_rounding = True
-        self._pool = fused.RowBufferPool()   # the fused decode layer's row buffers
-        self.fast_decode = True          # decode rows through Block.decode_rows (same numbers)
-
-    def set_llama_rounding(self, on: bool) -> None:
-        """True: round activations like llama.cpp (the default); False: exact float32 activations."""
-        self.llama_rounding = on
-        for block in self.blocks:
-            block.llama_rounding = on
+        self.softmax = "llama.cpp"
+        self._pool: dict = {}            # (block shape, runs) -> fused.RowBuffers of at most POOLED_ROWS rows
 
     def set_attention_softmax(self, softmax: str) -> None:
         """"llama.cpp" (the default: its float16 probabilities, so greedy output tracks llama.cpp's)
         or "online" (flash attention with float32 probabilities, kernels.cpu.attention_online)."""
         if softmax not in ("llama.cpp", "online"):
             raise ValueError(f"unknown softmax {softmax!r}")
-        for block in self.blocks:
-            block.softmax = softmax
+        self.softmax = softmax
 
     def _matrices(self):
         yield self.tok_embd
@@ -552,83 +324,75 @@ class Decoder:
         logits (n_vocab,) of the last token, or (T, n_vocab) with all_logits. decode_rows: see Segment;
         vocab_limit: logits of the first vocab_limit tokens only."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if (tokens.shape[0] == 1 or decode_rows) and self._decode_one_ok():
-            logits = self._decode_rows(tokens, int(start_pos), kv, all_logits, vocab_limit)
-            return logits if all_logits else logits[-1]
-        x, plan = self._hidden(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)], all_rows=all_logits)
-        logits = self._logits(x, plan, vocab_limit)                       # (T or 1, n_vocab)
+        logits = self._pass(tokens, [(kv, int(start_pos), tokens.shape[0], decode_rows)], all_logits, vocab_limit)
         return logits if all_logits else logits[0]
-
-    def _decode_one_ok(self) -> bool:
-        return (self.llama_rounding and self.output.exact is not None and self.fast_decode
-                and all(block.can_decode_one() for block in self.blocks))
-
-    def _decode_rows(self, tokens: np.ndarray, pos: int, kv: KVView, all_logits: bool,
-                     vocab_limit: int | None) -> np.ndarray:
-        """Tokens (R,) at positions pos.. of one sequence through Block.decode_rows, each with the
-        numbers it gets alone: the logits (R or 1 (the last row), n_vocab or vocab_limit), equal to
-        the general path's for decode rows."""
-        R = tokens.shape[0]
-        x = self.tok_embd.rows(tokens)                                    # (R, D)
-        if self.cfg.embed_scale != 1.0:
-            x *= np.float32(self.cfg.embed_scale)
-        positions = np.arange(pos, pos + R, dtype=np.int64)
-        tables = {base: self.cfg.rope_table(positions, base) for base in set(self.cfg.layer_rope_base)}
-        bs, Hkv = kv.k_cache[0].shape[1], self.cfg.n_head_kv
-        plans = {w: decode_plan(kv.block_table, pos, R, w, Hkv, bs) for w in set(self.cfg.layer_window)}
-        for block in self.blocks:
-            x = block.decode_rows(x, kv, tables[block.rope_base], plans[block.window], self._pool)
-        if not all_logits:
-            x = x[-1:]
-        out = self.output
-        n = out.n_rows if vocab_limit is None else min(int(vocab_limit), out.n_rows)
-        traits = TRAITS[out.ggml_type]
-        layout = traits.layout_prefix(out.exact, n)
-        logits = np.empty((x.shape[0], traits.layout_rows(layout)), np.float32)
-        fused.output_rows(x, self.output_norm, np.float32(self.cfg.norm_eps), layout, out.ggml_type,
-                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), run_arrays([(0, x.shape[0], False)]),
-                          np.float32(self.cfg.final_softcap), logits)
-        return logits[:, :n]
 
     def forward_batch(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Several sequences in one pass (continuous batching): tokens (T,) in segment order, each
         segment (kv, start_pos, n_tokens) with its slots already held. Returns (len(segments), n_vocab),
         each segment's last-token logits, equal to what forward() gives for it alone."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        x, plan = self._hidden(tokens, segments, all_rows=False)
-        return self._logits(x, plan)
+        return self._pass(np.asarray(tokens, dtype=np.int64).reshape(-1), segments, False)
 
-    def _hidden(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool) -> tuple[np.ndarray, RowPlan]:
-        """Embedding and every block: (T,) -> the hidden rows whose logits are wanted (every row, or
-        each segment's last), with their RowPlan. As in llama.cpp's graph, the last layer keeps only
-        those rows after its attention."""
+    def _buffers(self, block: Block, runs: tuple, key: bytes, local: dict) -> fused.RowBuffers:
+        """The row buffers for this block's shape and these runs (key: the runs' bytes)."""
+        T = int(runs[1].sum())
+        pool = self._pool if T <= POOLED_ROWS else local
+        bufs = pool.get((block.shape, key))
+        if bufs is None:
+            if pool is self._pool and len(pool) >= POOL_SIZE:
+                pool.clear()
+            bufs = pool[(block.shape, key)] = fused.row_buffers(block.weights, T, runs)
+        return bufs
+
+    def _pass(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool,
+              vocab_limit: int | None = None) -> np.ndarray:
+        """Embedding, every layer and the logits of the rows wanted (every row, or each segment's
+        last): (T,) -> (rows wanted, n_vocab or vocab_limit). As in llama.cpp's graph, the last layer
+        keeps only those rows after its attention."""
+        cfg = self.cfg
         segments = [(seg[0], int(seg[1]), int(seg[2]),
                      bool(seg[3]) if len(seg) > 3 and seg[3] is not None else int(seg[2]) == 1)
                     for seg in segments]
-        if sum(n for _, _, n, _ in segments) != tokens.shape[0] or any(n < 1 for _, _, n, _ in segments):
+        T = tokens.shape[0]
+        if sum(n for _, _, n, _ in segments) != T or any(n < 1 for _, _, n, _ in segments):
             raise ValueError("segments must cover the tokens, each with at least one")
+        kv = segments[0][0]
+        if any(s[0].k_cache is not kv.k_cache or s[0].v_cache is not kv.v_cache for s in segments):
+            raise ValueError("the sequences of one pass must share one cache")
+        # a batched run gets llama.cpp's arithmetic for a batch of its rows, decode rows a single token's
+        starts = np.cumsum([0] + [n for _, _, n, _ in segments])
+        runs = run_arrays([(r0, n, not dec) for r0, (_, _, n, dec) in zip(starts, segments)])
+        keep = None if all_rows or len(segments) == T else starts[1:] - 1
+        keep_runs = runs if keep is None else run_arrays([(i, 1, False) for i in range(len(keep))])
         positions = np.concatenate([np.arange(s, s + n, dtype=np.int64) for _, s, n, _ in segments])
-        plan = replace(RowPlan.of(segments), attn=AttentionRows.of(segments))
-        ends = np.cumsum([n for _, _, n, _ in segments])
-        if all_rows:
-            keep = (np.arange(tokens.shape[0]), plan)
-        else:
-            last = [(kv, s + n - 1, 1, decode_rows) for kv, s, n, decode_rows in segments]
-            keep = (ends - 1, RowPlan.of(last))
         x = self.tok_embd.rows(tokens)                                    # (T, D)
-        if self.cfg.embed_scale != 1.0:
-            x *= np.float32(self.cfg.embed_scale)
-        rope_tables: dict = {}
+        if cfg.embed_scale != 1.0:
+            x *= np.float32(cfg.embed_scale)
+        tables = {base: cfg.rope_table(positions, base) for base in set(cfg.layer_rope_base)}
+        rows = [(kv_.block_table, s, n, dec) for kv_, s, n, dec in segments]
+        bs = kv.k_cache[0].shape[1]
+        plans = {w: attention_plan(rows, w, cfg.n_head, cfg.n_head_kv, cfg.head_dim, bs, self.softmax)
+                 for w in set(cfg.layer_window)}
+        key = b"".join(a.tobytes() for a in runs)
+        keep_key = b"keep" + b"".join(a.tobytes() for a in keep_runs)
+        local: dict = {}
+        last = len(self.blocks) - 1
         for il, block in enumerate(self.blocks):
-            x = block(x, positions, segments, plan, rope_tables, keep if il == len(self.blocks) - 1 else None)
-        return x, keep[1]
+            args = (x, tables[block.rope_base], block.weights, kv.k_cache[il].view(np.uint16),
+                    kv.v_cache[il].view(np.uint16), plans[block.window], self._buffers(block, runs, key, local))
+            if il == last and keep is not None:
+                x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, keep_key, local))
+            else:
+                fused.layer(*args)
+        return self._logits(x, keep_runs, vocab_limit)
 
-    def _logits(self, x: np.ndarray, plan: RowPlan, vocab_limit: int | None = None) -> np.ndarray:
+    def _logits(self, x: np.ndarray, runs: tuple, vocab_limit: int | None = None) -> np.ndarray:
         """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens
         only (a draft model; the output matrix is the largest one)."""
-        x = rms_norm(x, self.output_norm, self.cfg.norm_eps)
-        logits = _mm(self.output, x, plan, self.llama_rounding, n_out=vocab_limit)
-        if self.cfg.final_softcap > 0:
-            logits = np.ascontiguousarray(logits)
-            soft_cap_rows(logits, np.float32(self.cfg.final_softcap))
-        return logits
+        out = self.output
+        n = out.n_rows if vocab_limit is None else min(int(vocab_limit), out.n_rows)
+        layout = layout_prefix(out.exact, out.ggml_type, n)
+        logits = np.empty((x.shape[0], TRAITS[out.ggml_type].layout_rows(layout)), np.float32)
+        fused.output_rows(x, self.output_norm, np.float32(self.cfg.norm_eps), layout, out.ggml_type,
+                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), runs, np.float32(self.cfg.final_softcap), logits)
+        return logits[:, :n]

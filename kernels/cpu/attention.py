@@ -507,22 +507,71 @@ def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:
     return min(want, most)
 
 
-class DecodePlan(NamedTuple):
-    """Where R decode rows of one sequence (positions pos .. pos+R-1) look in its paged cache, for
-    one attention window: made here from the cache's geometry, read by kernels.cpu.fused."""
-    pos: int                  # the first row's position
-    lo: np.ndarray            # (R,) int64 each row's first visible key
-    chunk: np.ndarray         # (R,) int64 keys per split of its scores (the threads' work items)
+class AttentionPlan(NamedTuple):
+    """Where a forward pass's rows look in the paged cache, for one attention window: made here from
+    the cache's geometry, read by kernels.cpu.fused.layer. A row is either a decode row (a decode
+    step, a speculative check, a batch's one-token sequence: each with the numbers it gets alone)
+    or a row of a prompt segment (a sequence's chunk as llama.cpp evaluates a batch)."""
+    slots: np.ndarray         # (T,) int64 the cache cell of each row's K and V
+    online: bool              # flash attention (float32 probabilities): asked for, or a head dim the
+                              # llama.cpp kernels do not take
+    window: int
+    rows: np.ndarray          # (R,) int64 the decode rows
+    tables: np.ndarray        # (R, blocks) int32 their sequences' block tables (zero-padded)
+    n_kv: np.ndarray          # (R,) int64 keys each sees (its position + 1)
+    lo: np.ndarray            # (R,) int64 its first visible key
+    chunk: np.ndarray         # (R,) int64 keys per split of its keys (the threads' work items)
     key0: np.ndarray          # (R,) int64 where its scores start: ggml's f16 dot steps 32 keys from key 0
-    block_table: np.ndarray   # (blocks,) int32 the sequence's logical -> physical cache blocks
+    together: bool            # the decode rows in one call (_decode_rows), not one split call each
+    segs: np.ndarray          # (S, 5) int64 prompt segments: first row, rows, first position, q tile, paired
+    seg_tables: np.ndarray    # (S, blocks) int32 their block tables (zero-padded)
 
 
-def decode_plan(block_table: np.ndarray, pos: int, R: int, window: int, n_kv_heads: int, block_size: int) -> DecodePlan:
-    n_kv = pos + 1 + np.arange(R, dtype=np.int64)
-    lo = np.maximum(0, n_kv - window) if window > 0 else np.zeros(R, np.int64)
-    chunk = np.array([-(-(n - l) // _choose_splits(n - l, n_kv_heads, block_size)) for n, l in zip(n_kv, lo)],
-                     np.int64)
-    return DecodePlan(int(pos), lo, chunk, lo - lo % 32, np.ascontiguousarray(block_table, np.int32))
+def _padded(tables: list) -> np.ndarray:
+    out = np.zeros((len(tables), max((len(t) for t in tables), default=0)), np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
+def attention_plan(segments, window: int, n_q_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
+                   softmax: str = "llama.cpp") -> AttentionPlan:
+    """segments: (block_table, first position, rows, decode_rows) of each sequence's run of rows, in
+    row order; their K and V go to the cache cells of those positions."""
+    _check_softmax(softmax)
+    online = softmax == "online" or not exact_head_dim(head_dim)
+    threads = numba.get_num_threads()
+    slots, rows, tables, n_kv, segs, seg_tables = [], [], [], [], [], []
+    row = 0
+    for table, start, n, decode_rows in segments:
+        slots.append(block_slots(table, start, n, block_size))
+        if decode_rows:
+            rows.extend(range(row, row + n))
+            tables.extend([table] * n)
+            n_kv.extend(range(start + 1, start + n + 1))
+        else:
+            q_tile = _choose_q_tile(n, n_q_heads, n_kv_heads, head_dim, 0 if online else start + n)
+            paired = n_kv_heads * ((-(-n // q_tile) + 1) // 2) >= threads
+            segs.append((row, n, start, q_tile, paired))
+            seg_tables.append(table)
+        row += n
+    n_kv = np.array(n_kv, np.int64)
+    lo = np.maximum(0, n_kv - window) if window > 0 else np.zeros_like(n_kv)
+    chunk = np.empty_like(n_kv)
+    for i, (hi, first) in enumerate(zip(n_kv, lo)):
+        n_keys = int(hi - first)
+        if online:     # as attention_decode splits one row's keys (the online merge's bits depend on it)
+            parallel = n_keys * n_kv_heads * head_dim >= ops.PAR_MIN
+            n_splits = _choose_splits(n_keys, n_kv_heads, block_size) if parallel else 1
+            chunk[i] = -(-n_keys // n_splits)
+            if n_splits > 1 and chunk[i] > block_size:
+                chunk[i] = -(-chunk[i] // block_size) * block_size
+        else:          # llama.cpp's softmax: the same bits however the keys split
+            chunk[i] = -(-n_keys // _choose_splits(n_keys, n_kv_heads, block_size))
+    together = len(segments) > 1 and len(rows) > 1 and not online
+    return AttentionPlan(np.concatenate(slots), online, int(window), np.array(rows, np.int64), _padded(tables), n_kv,
+                         lo, chunk, lo - lo % 32, together, np.array(segs, np.int64).reshape(-1, 5),
+                         _padded(seg_tables))
 
 
 def exact_head_dim(hd: int) -> bool:

@@ -1,15 +1,19 @@
-"""A decoder layer for decode rows as one compiled call, on typed bundles.
+"""A decoder layer as one compiled call, on typed bundles: the one place the CPU engine computes a
+layer (norms, q/k/v, Q/K norm, rope, attention, the output projection, the FFN, post-norms).
 
-The rows are one token, or the few tokens of a speculative check, each with the arithmetic it gets
-alone. The call chains kernels that already exist (the same arithmetic, so the same bits) on row
-buffers allocated once: a decode step runs one compiled call per layer instead of thirty
-Python-level operations, whose glue was a large share of a small model's token time.
+Every forward pass runs through it: a decode step, a speculative check, a prompt chunk, a batch of
+sequences. Its rows are decode rows (each with the arithmetic a single token gets) or rows of a
+prompt segment (llama.cpp's arithmetic for a batch of that sequence's rows), as the attention plan
+and the run arrays say. It chains kernels that already exist (the same arithmetic, so the same
+bits) on row buffers allocated once per shape: a decode step runs one compiled call per layer
+instead of thirty Python-level operations, whose glue was a large share of a small model's token time.
 
 Its inputs are three named tuples, which numba types field by field:
 - `LayerWeights`: the layer's exact weight layouts, norms, biases and scalars (built once per layer
   by models.transformer from its matrices);
-- `RowBuffers`: the R-row work buffers (from a `RowBufferPool`, shared by layers of one shape);
-- `attention.DecodePlan`: where the rows look in their sequence's paged cache (kernels.cpu.attention).
+- `RowBuffers`: the T-row work buffers and the rows' matmul runs (pooled by models.transformer, shared
+  by layers of one shape);
+- `attention.AttentionPlan`: where the rows look in the paged cache (kernels.cpu.attention).
 """
 from __future__ import annotations
 
@@ -19,9 +23,12 @@ import numpy as np
 from numba import njit
 
 from kernels.cpu.activations import _round_to_f16
-from kernels.cpu.attention import _decode_pv, _decode_scores, _decode_softmax, _write_kv_serial
-from kernels.cpu.ops import _geglu_tanh_serial, _rms_norm_serial, _rope_serial, _swiglu_serial, soft_cap_rows
-from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into, run_arrays
+from kernels.cpu.attention import (_decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
+                                   _write_kv_slots_serial)
+from kernels.cpu.attention_online import decode_partial, decode_partial_v, merge_splits, prefill_online
+from kernels.cpu.ops import (_geglu_tanh, _geglu_tanh_serial, _rms_norm, _rms_norm_serial, _rope, _rope_serial, _swiglu,
+                             _swiglu_serial, soft_cap_rows)
+from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
 from kernels.types import ACT_KIND, TRAITS
 
 NONE = np.empty(0, np.float32)          # an absent optional vector (bias, Q/K norm, post-norm)
@@ -45,7 +52,7 @@ class Projection(NamedTuple):
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer as decode_layer reads it (absent optional vectors: NONE)."""
+    """One decoder layer as `layer` reads it (absent optional vectors: NONE)."""
     n_head: int
     n_head_kv: int
     head_dim: int
@@ -74,28 +81,29 @@ class LayerWeights(NamedTuple):
 
 
 class RowBuffers(NamedTuple):
-    """R rows' work buffers for decode_layer (x8 layouts' outputs padded to whole 8-row groups)."""
-    h: np.ndarray             # (R, D) a normed row
-    qkv: tuple                # the q, k, v parts' outputs (R, part rows)
-    q16: np.ndarray           # (R, Hq, hd) q as attention reads it
-    kbuf: np.ndarray          # (R, Hkv, hd) roped k
-    att: np.ndarray           # (R, Hq, hd) attention's output
-    o: np.ndarray             # (R, wo rows)
+    """T rows' work buffers for layer (x8 layouts' outputs padded to whole 8-row groups), and how
+    the rows go through the matmuls."""
+    h: np.ndarray             # (T, D) a normed row
+    qkv: tuple                # the q, k, v parts' outputs (T, part rows)
+    q16: np.ndarray           # (T, Hq, hd) q as attention reads it
+    kbuf: np.ndarray          # (T, Hkv, hd) roped k
+    att: np.ndarray           # (T, Hq, hd) attention's output
+    o: np.ndarray             # (T, wo rows)
     gate_up: tuple            # the gate, up parts' outputs
-    a: np.ndarray             # (R, F) act(gate) * up
-    d: np.ndarray             # (R, w_down rows)
-    q8_d: Q8Buffers           # quantized (R, D) rows
-    q8_o: Q8Buffers           # ... (R, Hq*hd)
-    q8_f: Q8Buffers           # ... (R, F)
-    runs: tuple               # qdot.run_arrays: every row its single-token arithmetic
+    a: np.ndarray             # (T, F) act(gate) * up
+    d: np.ndarray             # (T, w_down rows)
+    q8_d: Q8Buffers           # quantized (T, D) rows
+    q8_o: Q8Buffers           # ... (T, Hq*hd)
+    q8_f: Q8Buffers           # ... (T, F)
+    runs: tuple               # qdot.run_arrays: which rows get a batch's arithmetic, which a single token's
 
 
 def _rows(ggml_type: int, layout: np.ndarray) -> int:
     return TRAITS[ggml_type].layout_rows(layout)
 
 
-def row_buffers(w: LayerWeights, R: int) -> RowBuffers:
-    f32 = lambda *shape: np.empty((R, *shape), np.float32)                   # noqa: E731
+def row_buffers(w: LayerWeights, T: int, runs: tuple) -> RowBuffers:
+    f32 = lambda *shape: np.empty((T, *shape), np.float32)                   # noqa: E731
     D, Hq, Hkv, hd = w.attn_norm.shape[0], w.n_head, w.n_head_kv, w.head_dim
     F = _ff_width(w)
 
@@ -105,8 +113,7 @@ def row_buffers(w: LayerWeights, R: int) -> RowBuffers:
 
     return RowBuffers(f32(D), outs(w.qkv), f32(Hq, hd), f32(Hkv, hd), f32(Hq, hd), f32(_rows(w.wo_type, w.wo)),
                       outs(w.gate_up), f32(F), f32(_rows(w.w_down_type, w.w_down)),
-                      Q8Buffers.alloc(R, D), Q8Buffers.alloc(R, Hq * hd), Q8Buffers.alloc(R, F),
-                      run_arrays([(0, R, False)]))
+                      Q8Buffers.alloc(T, D), Q8Buffers.alloc(T, Hq * hd), Q8Buffers.alloc(T, F), runs)
 
 
 def _ff_width(w: LayerWeights) -> int:
@@ -114,32 +121,31 @@ def _ff_width(w: LayerWeights) -> int:
     return int(w.gate_up.where[0, 2])
 
 
-class RowBufferPool:
-    """RowBuffers by (row count, the layer's shapes): the layers of a model share one set (a layer
-    runs after the previous one is done with them)."""
+def buffer_shape(w: LayerWeights) -> tuple:
+    """What row_buffers' shapes depend on besides the row count: layers equal in it share buffers."""
+    layouts = (w.qkv.w0, w.qkv.w1, w.qkv.w2, w.wo, w.gate_up.w0, w.gate_up.w1, w.gate_up.w2, w.w_down)
+    types = (*w.qkv.types, w.wo_type, *w.gate_up.types, w.w_down_type)
+    return (w.attn_norm.shape[0], w.n_head, w.n_head_kv, w.head_dim, _ff_width(w),
+            tuple(_rows(int(t), m) if t >= 0 else 1 for t, m in zip(types, layouts)))
 
-    def __init__(self):
-        self._pool: dict = {}
 
-    def get(self, w: LayerWeights, R: int) -> RowBuffers:
-        layouts = (w.qkv.w0, w.qkv.w1, w.qkv.w2, w.wo, w.gate_up.w0, w.gate_up.w1, w.gate_up.w2, w.w_down)
-        types = (*w.qkv.types, w.wo_type, *w.gate_up.types, w.w_down_type)
-        key = (R, w.attn_norm.shape[0], w.n_head, w.n_head_kv, w.head_dim, _ff_width(w),
-               tuple(_rows(int(t), m) if t >= 0 else 1 for t, m in zip(types, layouts)))
-        bufs = self._pool.get(key)
-        if bufs is None:
-            bufs = self._pool[key] = row_buffers(w, R)
-        return bufs
+@njit(cache=True, error_model="numpy")
+def _norm(x, w, eps, out):
+    """RMSNorm of rows x into out: one row on the calling thread, more across threads (same numbers)."""
+    if x.shape[0] > 1:
+        _rms_norm(x, w, eps, out)
+    else:
+        _rms_norm_serial(x, w, eps, out)
 
 
 @njit(cache=True, error_model="numpy")
 def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
-    """R tokens' q (R, Hq, hd), k, v (R, Hkv, hd) as attention takes them, in the order of
+    """T tokens' q (T, Hq, hd), k, v (T, Hkv, hd) as attention takes them, in the order of
     llama.cpp's graph: biases, per-head RMSNorm of q and k, rope (cs: the positions' cos/sin), q
     times q_scale and rounded to float16 into b.q16; k and v written into the float16 cache."""
-    R, Hq, hd = q.shape
+    T, Hq, hd = q.shape
     Hkv = k.shape[1]
-    for r in range(R):
+    for r in range(T):
         if w.bq.size:
             q[r] += w.bq.reshape(Hq, hd)
             k[r] += w.bk.reshape(Hkv, hd)
@@ -147,18 +153,71 @@ def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
         if w.q_norm.size:
             _rms_norm_serial(q[r], w.q_norm, w.eps, q[r])
             _rms_norm_serial(k[r], w.k_norm, w.eps, k[r])
-    _rope_serial(q, cs, w.rope_neox, b.q16)
-    _rope_serial(k, cs, w.rope_neox, b.kbuf)
+    if T > 1:
+        _rope(q, cs, w.rope_neox, b.q16)
+        _rope(k, cs, w.rope_neox, b.kbuf)
+    else:
+        _rope_serial(q, cs, w.rope_neox, b.q16)
+        _rope_serial(k, cs, w.rope_neox, b.kbuf)
     if w.q_scale != np.float32(1.0):
         b.q16[:] *= w.q_scale
-    for r in range(R):
+    for r in range(T):
         _round_to_f16(b.q16[r], b.q16[r])
-    _write_kv_serial(k_cache, v_cache, plan.block_table, plan.pos, b.kbuf, v)
+    if T > 1:
+        _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, v)
+    else:
+        _write_kv_slots_serial(k_cache, v_cache, plan.slots, b.kbuf, v)
+
+
+@njit(cache=True, error_model="numpy")
+def _attend(w, k_cache, v_cache, plan, b):
+    """Attention of every row (b.q16, its keys already in the cache) into b.att: decode rows with
+    the one-token kernels (row by row, split over the keys; or all at once across sequences),
+    prompt segments with the prefill kernels; llama.cpp's softmax, or online (flash) attention."""
+    Hq, hd = w.n_head, w.head_dim
+    R = plan.rows.shape[0]
+    if plan.together:
+        out = np.empty((R, Hq, hd), np.float32)
+        _decode_rows(b.q16[plan.rows], k_cache, v_cache, plan.tables, plan.n_kv, plan.window, w.kq_scale, w.softcap, out)
+        for i in range(R):
+            b.att[plan.rows[i]] = out[i]
+    else:
+        for i in range(R):
+            r, table, lo, hi, chunk = plan.rows[i], plan.tables[i], plan.lo[i], plan.n_kv[i], plan.chunk[i]
+            if plan.online:
+                n_splits = -(-(hi - lo) // chunk)
+                o_part = np.empty((Hq, n_splits, hd), np.float32)
+                m_part = np.empty((Hq, n_splits), np.float32)
+                l_part = np.empty((Hq, n_splits), np.float32)
+                if hd % 16 == 0:
+                    decode_partial_v(b.q16[r], k_cache, v_cache, table, lo, hi, chunk, w.kq_scale, w.softcap,
+                                     o_part, m_part, l_part)
+                else:
+                    decode_partial(b.q16[r], k_cache, v_cache, table, lo, hi, chunk, w.kq_scale, w.softcap,
+                                   o_part, m_part, l_part)
+                merge_splits(o_part, m_part, l_part, b.att[r])
+            else:
+                key0 = plan.key0[i]
+                S = np.empty((Hq, -(-(hi - key0) // 8) * 8), np.float32)    # scores, then probabilities
+                _decode_scores(b.q16[r], k_cache, table, lo, hi, chunk, key0, S)
+                _decode_softmax(S, key0, lo, hi, w.kq_scale, w.softcap)
+                _decode_pv(S, v_cache, table, key0, hi, b.att[r])
+    for s in range(plan.segs.shape[0]):
+        r0, n, start, q_tile, paired = plan.segs[s]
+        q = np.ascontiguousarray(b.q16[r0:r0 + n])
+        out = np.empty_like(q)
+        if plan.online:
+            prefill_online(q, k_cache, v_cache, plan.seg_tables[s], start, w.kq_scale, w.softcap, plan.window,
+                           q_tile, paired != 0, out)
+        else:
+            _prefill(q, k_cache, v_cache, plan.seg_tables[s], start, w.kq_scale, w.softcap, plan.window, q_tile,
+                     paired != 0, out)
+        b.att[r0:r0 + n] = out
 
 
 @njit(cache=True, error_model="numpy")
 def _project(h, p, q8, runs, o0, o1, o2):
-    """A projection's parts for rows h: h is quantized once per vec-dot type, as the general path
+    """A projection's parts for rows h: h is quantized once per vec-dot type, as llama.cpp's graph
     shares it."""
     last = -1
     for i in range(3):
@@ -185,57 +244,78 @@ def _member(where, m, outs):
 
 
 @njit(cache=True, error_model="numpy")
-def decode_layer(x, cs, w, k_cache, v_cache, plan, b):
-    """One layer for R decode rows x (R, D) at positions plan.pos .. +R-1, in place: the general
-    path's arithmetic for decode rows (models.transformer.Block.attention and ffn; every matrix
-    with the one-row arithmetic; each row's attention as the one-token kernel gives it).
-    cs: rope's cos/sin of the positions; k_cache, v_cache: this layer's float16 cache as uint16."""
-    R, D = x.shape
+def _attention(x, cs, w, k_cache, v_cache, plan, b):
+    """The attention half for rows x (T, D): returns its output (T, D) (a view of b.o)."""
+    T, D = x.shape
     Hq, Hkv, hd = w.n_head, w.n_head_kv, w.head_dim
-    # attention
-    _rms_norm_serial(x, w.attn_norm, w.eps, b.h)
+    _norm(x, w.attn_norm, w.eps, b.h)
     _project(b.h, w.qkv, b.q8_d, b.runs, b.qkv[0], b.qkv[1], b.qkv[2])
-    q = _member(w.qkv.where, 0, b.qkv).reshape(R, Hq, hd)
-    k = _member(w.qkv.where, 1, b.qkv).reshape(R, Hkv, hd)
-    v = _member(w.qkv.where, 2, b.qkv).reshape(R, Hkv, hd)
+    q = _member(w.qkv.where, 0, b.qkv).reshape(T, Hq, hd)
+    k = _member(w.qkv.where, 1, b.qkv).reshape(T, Hkv, hd)
+    v = _member(w.qkv.where, 2, b.qkv).reshape(T, Hkv, hd)
     _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b)
-    for r in range(R):
-        n_kv = plan.pos + r + 1
-        key0, lo = plan.key0[r], plan.lo[r]
-        S = np.empty((Hq, -(-(n_kv - key0) // 8) * 8), np.float32)    # scores, then probabilities
-        _decode_scores(b.q16[r], k_cache, plan.block_table, lo, n_kv, plan.chunk[r], key0, S)
-        _decode_softmax(S, key0, lo, n_kv, w.kq_scale, w.softcap)
-        _decode_pv(S, v_cache, plan.block_table, key0, n_kv, b.att[r])
-    quantize_into(b.att.reshape(R, Hq * hd), ACT_KIND[w.wo_type], b.q8_o)
+    _attend(w, k_cache, v_cache, plan, b)
+    quantize_into(b.att.reshape(T, Hq * hd), ACT_KIND[w.wo_type], b.q8_o)
     matmul_row(w.wo, w.wo_type, b.q8_o, b.runs, b.o)
     o = b.o[:, :D]
     if w.post_attn_norm.size:
-        _rms_norm_serial(o, w.post_attn_norm, w.eps, o)
-    x += o
-    # feed-forward
-    _rms_norm_serial(x, w.ffn_norm, w.eps, b.h)
+        _norm(o, w.post_attn_norm, w.eps, o)
+    return o
+
+
+@njit(cache=True, error_model="numpy")
+def _ffn(x, w, b):
+    """The feed-forward half for rows x (T, D), added to x in place."""
+    T, D = x.shape
+    _norm(x, w.ffn_norm, w.eps, b.h)
     _project(b.h, w.gate_up, b.q8_d, b.runs, b.gate_up[0], b.gate_up[1], b.gate_up[2])
     gate = _member(w.gate_up.where, 0, b.gate_up)
     up = _member(w.gate_up.where, 1, b.gate_up)
-    for r in range(R):
+    if T > 1:
         if w.geglu:
-            _geglu_tanh_serial(gate[r], up[r], b.a[r], w.gelu_table)
+            _geglu_tanh(gate.reshape(-1), up.reshape(-1), b.a.reshape(-1), w.gelu_table)
         else:
-            _swiglu_serial(gate[r], up[r], b.a[r])
+            _swiglu(gate.reshape(-1), up.reshape(-1), b.a.reshape(-1))
+    elif w.geglu:
+        _geglu_tanh_serial(gate[0], up[0], b.a[0], w.gelu_table)
+    else:
+        _swiglu_serial(gate[0], up[0], b.a[0])
     quantize_into(b.a, ACT_KIND[w.w_down_type], b.q8_f)
     matmul_row(w.w_down, w.w_down_type, b.q8_f, b.runs, b.d)
     d = b.d[:, :D]
     if w.post_ffn_norm.size:
-        _rms_norm_serial(d, w.post_ffn_norm, w.eps, d)
+        _norm(d, w.post_ffn_norm, w.eps, d)
     x += d
 
 
 @njit(cache=True, error_model="numpy")
+def layer(x, cs, w, k_cache, v_cache, plan, b):
+    """One decoder layer for rows x (T, D), in place. cs: rope's cos/sin of the rows' positions;
+    k_cache, v_cache: this layer's float16 cache as uint16; plan: attention.AttentionPlan for this
+    layer's window; b: the rows' buffers and runs."""
+    x += _attention(x, cs, w, k_cache, v_cache, plan, b)
+    _ffn(x, w, b)
+
+
+@njit(cache=True, error_model="numpy")
+def last_layer(x, cs, w, k_cache, v_cache, plan, b, keep, bk):
+    """layer where only the rows `keep` go on after attention (those whose logits are wanted, as
+    llama.cpp's graph keeps them, so the FFN sees a batch of that size): returns them (K, D).
+    bk: the kept rows' buffers and runs."""
+    o = _attention(x, cs, w, k_cache, v_cache, plan, b)
+    y = np.empty((keep.shape[0], x.shape[1]), np.float32)
+    for i in range(keep.shape[0]):
+        y[i] = x[keep[i]] + o[keep[i]]
+    _ffn(y, w, bk)
+    return y
+
+
+@njit(cache=True, error_model="numpy")
 def output_rows(x, norm, eps, layout, ggml_type, q8, runs, softcap, logits):
-    """The final norm and the output matrix for decode rows x (R, D) into logits (R, layout rows),
+    """The final norm and the output matrix for rows x (R, D) into logits (R, layout rows),
     soft-capped at softcap when it is > 0 (gemma2)."""
     h = np.empty_like(x)
-    _rms_norm_serial(x, norm, eps, h)
+    _norm(x, norm, eps, h)
     quantize_into(h, ACT_KIND[ggml_type], q8)
     matmul_row(layout, ggml_type, q8, runs, logits)
     if softcap > 0:

@@ -29,43 +29,6 @@ F16_LUT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
 
 
 @intrinsic
-def bits_f32(typingctx, a, sa, b, sb, mb):
-    """float32(((a >> sa) & 15) | (((b >> sb) & mb) << 4)) in 32-bit integer lanes.
-
-    Numba widens every integer op to int64, which makes LLVM vectorize quant decoding with
-    8-lane int64->float conversions; doing the bit work in i32 gives 16-lane AVX-512 code.
-    """
-    sig = types.float32(a, sa, b, sb, mb)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-
-        def to32(v, t):
-            w = v.type.width
-            if w < 32:
-                return builder.sext(v, i32) if t.signed else builder.zext(v, i32)
-            return builder.trunc(v, i32) if w > 32 else v
-
-        av, sav, bv, sbv, mbv = (to32(v, t) for v, t in zip(args, signature.args))
-        lo = builder.and_(builder.lshr(av, sav), ir.Constant(i32, 15))
-        hi = builder.shl(builder.and_(builder.lshr(bv, sbv), mbv), ir.Constant(i32, 4))
-        return builder.sitofp(builder.or_(lo, hi), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def i8_f32(typingctx, a):
-    """float32(int8 a) as one sitofp (numba's own cast vectorizes poorly)."""
-    sig = types.float32(a)
-
-    def codegen(context, builder, signature, args):
-        return builder.sitofp(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
 def round_f16(typingctx, a):
     """float32 a rounded to the nearest float16, as float32 (numba has no float16 type)."""
     sig = types.float32(a)

@@ -12,7 +12,7 @@ from models.errors import BadInputError
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 PROMPTS = ["What is 2+2?", "Name three colors.", "def fib(n):", "Write a haiku about rust.", "Say hi."]
-# over SMALL_BATCH (64) tokens: its prefill takes the GEMM path, in the same steps as others' decode rows
+# a long prompt: its prefill rows run as a batch (llama.cpp's batched kernels), in the same steps as others' decode rows
 LONG = ("Explain what this function does, briefly:\n\ndef merge(a, b):\n    out = []\n    i = j = 0\n"
         "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n"
         "        else:\n            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from core.tokenizer import Tokenizer
+from kernels.reference import dequantize_ref
 from models.gguf_file import open_model
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 256, 4, 2, 64, 512
@@ -25,8 +26,6 @@ GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6}   # gemma3: layers 0-4 local, 5 global
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
-QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-               "Q3_K", "Q2_K", "IQ4_XS"]
 
 # f16 scale fields (byte ranges) that must hold finite, small values, of the types gguf-py cannot quantize
 _K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2),
@@ -64,12 +63,15 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
 
 def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None,
                      rope_scaling: str | None = None,
-                     softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP)) -> Path:
+                     softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP),
+                     f32_twin: bool = False) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
     or "linear" / "yarn" (rope.scaling.type, factor 4), or "longrope" (phi3's factor tensors); kvchat's
     engines do not run YaRN and LongRoPE.
-    softcaps: gemma2's attention and final logit soft-caps."""
+    softcaps: gemma2's attention and final logit soft-caps. f32_twin: the same model with every
+    quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
+    compared with the native engine's float32 arithmetic on it."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -109,6 +111,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
 
     def mat(name, n, k, std):
         data, t = quantized(rng.normal(0, std, size=(n, k)).astype(np.float32), qtype, rng)
+        if f32_twin and t != gguf.GGMLQuantizationType.F32:
+            data, t = dequantize_ref(np.asarray(data), int(t), k), gguf.GGMLQuantizationType.F32
         w.add_tensor(name, data, raw_dtype=t)
 
     def vec(name, n, center=1.0, spread=0.2):
@@ -164,15 +168,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None) -> (GGUFFile, Tokenizer), written once per session."""
+    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False) -> (GGUFFile, Tokenizer),
+    written once per session."""
     made = {}
 
-    def make(arch: str, qtype: str, rope_base: float | None = None, rope_scaling: str | None = None):
-        key = arch, qtype, rope_base, rope_scaling
+    def make(arch: str, qtype: str, rope_base: float | None = None, rope_scaling: str | None = None,
+             f32_twin: bool = False):
+        key = arch, qtype, rope_base, rope_scaling, f32_twin
         if key not in made:
             name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "") + (f"-{rope_scaling}" if rope_scaling else "")
-            path = write_tiny_model(tiny_model_dir / f"{name}.gguf", arch, qtype, rope_base=rope_base,
-                                    rope_scaling=rope_scaling)
+            path = write_tiny_model(tiny_model_dir / f"{name}{'-twin' if f32_twin else ''}.gguf", arch, qtype,
+                                    rope_base=rope_base, rope_scaling=rope_scaling, f32_twin=f32_twin)
             g = open_model(path)
             made[key] = (g, Tokenizer.from_gguf(g))
         return made[key]

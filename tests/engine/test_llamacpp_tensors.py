@@ -131,25 +131,36 @@ def test_norms_rope_swiglu_are_bit_exact(step):
     assert _ulps(swiglu(gate, up), _get(tensors, "ffn_swiglu-0")) == 0
 
 
+def _one_row(m, x: np.ndarray) -> np.ndarray:
+    """x (1, K) through matrix m's exact kernel with a single token's arithmetic."""
+    from kernels.cpu.qdot import Int8Rows
+    from kernels.types import TRAITS
+    return m.matmul_int8(Int8Rows(x, TRAITS[m.ggml_type].vec_dot), runs=[(0, 1, False)])
+
+
+def _members(proj, x: np.ndarray) -> list[np.ndarray]:
+    """Each member's output (q, k, v; gate, up) of a models.transformer.Projections for one row x."""
+    outs = [_one_row(m, x) for m in proj.matrices()]
+    return [outs[p][:, c0:c0 + n] for p, c0, n in proj.where]
+
+
 @pytest.mark.parametrize("which", ["step", "gemma_step"])
 def test_quantized_matmuls_are_bit_exact(which, request):
-    from models.transformer import RowPlan, _mm
     tensors, native, _ = request.getfixturevalue(which)
     model = native.backend.model
-    plan = RowPlan.of([(None, 0, 1, True)])                               # one decode row
     for il in (0, 1, model.cfg.n_layer - 1):
         block = model.blocks[il]
-        q, k, v = block.qkv(_get(tensors, f"attn_norm-{il}").reshape(1, -1), plan, True, {})
-        gate, up = block.gate_up(_get(tensors, f"ffn_norm-{il}").reshape(1, -1), plan, True, {})
+        q, k, v = _members(block.qkv, _get(tensors, f"attn_norm-{il}").reshape(1, -1))
+        gate, up = _members(block.gate_up, _get(tensors, f"ffn_norm-{il}").reshape(1, -1))
         checks = [(q, f"Qcur-{il}"), (k, f"Kcur-{il}"), (v, f"Vcur-{il}"), (gate, f"ffn_gate-{il}"), (up, f"ffn_up-{il}")]
         act = "ffn_swiglu" if which == "step" else "ffn_geglu"
-        checks.append((_mm(block.w_down, _get(tensors, f"{act}-{il}").reshape(1, -1), plan, True), f"ffn_out-{il}"))
-        checks.append((_mm(block.wo, _get(tensors, f"kqv_out-{il}").reshape(1, -1), plan, True),
+        checks.append((_one_row(block.w_down, _get(tensors, f"{act}-{il}").reshape(1, -1)), f"ffn_out-{il}"))
+        checks.append((_one_row(block.wo, _get(tensors, f"kqv_out-{il}").reshape(1, -1)),
                        f"attn_out-{il}" if which == "gemma_step" else None))
         for got, name in checks:
             if name is not None and any(n == name for n, _ in tensors):
                 assert _ulps(got, _get(tensors, name, 0)) == 0, name
-    logits = _mm(model.output, _get(tensors, "result_norm").reshape(1, -1), plan, True)
+    logits = _one_row(model.output, _get(tensors, "result_norm").reshape(1, -1))
     assert _ulps(logits, _get(tensors, "result_output")) == 0
 
 
@@ -197,9 +208,9 @@ def test_gemma_norms_and_gelu_are_bit_exact(gemma_step):
     model = native.backend.model
     block, cfg = model.blocks[0], model.cfg
     for x_name, w, y_name in (("sa_out-0", block.ffn_norm, "ffn_norm-0"),
-                              ("ffn_out-0", block.post_ffn_norm, "ffn_post_norm-0")):
+                              ("ffn_out-0", block.weights.post_ffn_norm, "ffn_post_norm-0")):
         assert _ulps(rms_norm(_get(tensors, x_name).reshape(1, -1), w, cfg.norm_eps), _get(tensors, y_name)) == 0
     q = _get(tensors, "Qcur-0", 1).reshape(-1, cfg.head_dim)
-    assert _ulps(rms_norm(q, block.q_norm, cfg.norm_eps), _get(tensors, "Qcur_normed-0")) == 0
+    assert _ulps(rms_norm(q, block.weights.q_norm, cfg.norm_eps), _get(tensors, "Qcur_normed-0")) == 0
     gate, up = _get(tensors, "ffn_gate-0").reshape(1, -1), _get(tensors, "ffn_up-0").reshape(1, -1)
     assert _ulps(geglu_tanh(gate, up), _get(tensors, "ffn_geglu-0")) == 0

@@ -5,60 +5,26 @@ kernels (the exact int8 kernels, llama.cpp's attention and softmax, the same act
 rounding), so for those the logits must be *equal*, bit for bit, at every position: the prompt in
 one batch (llama.cpp's batched kernels) and token by token (its one-token kernels).
 
-For every type, and with exact float32 activations:
-
-llama.cpp is not an exact oracle for quantized weights: it quantizes activations to q8 before
-each quantized matmul (and on these random-weight models its own quantized logits differ from
-those of the very same weights stored as F32 by up to a few logits). So each quantized model
-gets an F32 "twin" holding exactly the dequantized weights (gguf-py's dequantizer), and the
-native engine running the *quantized* file must match llama.cpp running the *twin*. That checks
-the architecture (llama.cpp's graph is the truth) and the quantized kernels (they must equal
-exact dequantization) at once. A looser direct check against llama.cpp on the quantized file
-stays as a sanity test.
-
-Bounds, as a fraction of the largest |logit|:
-- decode path (one token per forward: f32 GEMV, f32 attention): 1%. Measured <= 0.3%; the rest is
-  llama.cpp's f16 KV cache (f16 keeps 11 bits: ~5e-4 per K/V element, amplified by softmax).
-- prefill path (all tokens in one forward: the kernels' GEMM runs in bf16, 8-bit mantissa): 8%.
-  Measured <= 4% on these deliberately sharp random models.
-Top-1 must agree at every position where llama.cpp's top-2 margin exceeds the bound: random
-weights produce near-ties (margins down to 1e-3) that no f16/bf16 arithmetic can order reliably.
+With the online (flash) softmax, whose probabilities stay float32 where llama.cpp rounds them to
+float16, the logits are within 5% of the largest |logit| of llama.cpp's on the same file. Measured:
+0.2% (gemma3) to 3.2% (phi3). The f16 probabilities differ by ~5e-4 each, and on these deliberately
+sharp random models such a difference flips the q8 rounding of some activations after attention,
+each flip moving the next matmul's output by a quantization step. Top-1 must agree at every
+position where llama.cpp's top-2 margin exceeds the bound (random weights produce near-ties that no
+two roundings can order alike).
 """
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import NativeBackend
-from kernels.reference import dequantize_ref
 from tests.engine import conftest as fx
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
-DECODE_TOL, PREFILL_TOL = 0.01, 0.08
+ONLINE_TOL = 0.05
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, fx.N_VOCAB, 39)]  # 40 > 2 cache blocks, > window
-
-
-@pytest.fixture(scope="module")
-def twin_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("twins")
-
-
-def _f32_twin(path, arch, qtype):
-    """The same model with every quantized matrix replaced by its exact dequantization."""
-    orig = fx.quantized
-
-    def dequantized(data, q, rng):
-        raw, t = orig(data, qtype, rng)
-        if t == gguf.GGMLQuantizationType.F32:
-            return raw, t
-        return dequantize_ref(np.asarray(raw), int(t), data.shape[1]), gguf.GGMLQuantizationType.F32
-    fx.quantized = dequantized
-    try:
-        return fx.write_tiny_model(path, arch, "F32")
-    finally:
-        fx.quantized = orig
 
 
 def _llama_logits(g, tok):
@@ -77,33 +43,6 @@ def _check(native, ref, tol, what):
     decisive = (top2[:, 1] - top2[:, 0]) > tol * scale
     bad = np.nonzero(decisive & (native.argmax(-1) != ref.argmax(-1)))[0]
     assert bad.size == 0, f"{what}: top-1 differs at positions {bad.tolist()}"
-
-
-# The architecture (llama.cpp's graph) and the weight type (its float kernel) are independent parts:
-# every type runs on llama and on gemma3 (the output tied to token_embd, post-norms), every
-# architecture on F16 and Q4_K.
-FLOAT_CASES = sorted({(a, q) for a in ("llama", "gemma3") for q in fx.QUANT_TYPES}
-                     | {(a, q) for a in ARCHS for q in ("F16", "Q4_K")})
-
-
-@pytest.mark.parametrize("arch,qtype", FLOAT_CASES)
-def test_native_matches_llamacpp(arch, qtype, tiny_model, twin_dir, softmax="llama.cpp"):
-    from models.gguf_file import open_model
-    from core.tokenizer import Tokenizer
-
-    g, tok = tiny_model(arch, qtype)
-    native = NativeBackend(g, tok, 256, 2)
-    native.model.set_llama_rounding(False)       # exact float32 activations, like the F32 twin
-    native.model.set_attention_softmax(softmax)
-    prefill = native.logits_all(IDS)
-    native.seq.release()
-    decode = np.stack([native.extend([t]) for t in IDS])
-    native.close()
-
-    twin = open_model(_f32_twin(twin_dir / f"{arch}-{qtype}-twin.gguf", arch, qtype))
-    ref = _llama_logits(twin, Tokenizer.from_gguf(twin))
-    _check(decode, ref, DECODE_TOL, f"{arch} {qtype} decode")
-    _check(prefill, ref, PREFILL_TOL, f"{arch} {qtype} prefill")
 
 
 def test_llamacpp_oracle_is_the_avx2_build():
@@ -140,22 +79,12 @@ def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, rope_scaling, qtype
     native = NativeBackend(g, tok, 256, 2)
     batched = native.logits_all(IDS)
     native.seq.release()
-    assert native.model._decode_one_ok()      # one-token steps take the fused decode path
     stepwise = np.stack([native.extend([t]) for t in IDS])
     native.seq.release()
     for t in IDS[:3]:       # the context token by token (a batch of 3 rounds otherwise for the float types)
         native.extend([t])
-    check = native.verify(IDS[3:8])         # a speculative check: 5 decode rows, fused, in one call
-    native.seq.release()
-    native.model.fast_decode = False          # ... which equals the general path bit for bit
-    general = np.stack([native.extend([t]) for t in IDS])
-    native.seq.release()
-    for t in IDS[:3]:
-        native.extend([t])
-    check_general = native.verify(IDS[3:8])
+    check = native.verify(IDS[3:8])         # a speculative check: 5 decode rows in one pass
     native.close()
-    np.testing.assert_array_equal(stepwise, general)
-    np.testing.assert_array_equal(check, check_general)
     np.testing.assert_array_equal(check, stepwise[3:8])   # each row: the numbers it gets alone
     ll = LlamaCppBackend(g, tok, 256, 2, logits_all=True)
     try:
@@ -205,9 +134,21 @@ def test_gemma2_soft_caps_bend_these_models(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_online_softmax_matches_llamacpp(arch, tiny_model, twin_dir):
-    """The flash-attention kernels (online softmax, float32 probabilities) run the whole model too."""
-    test_native_matches_llamacpp(arch, "Q8_0", tiny_model, twin_dir, softmax="online")
+def test_online_softmax_matches_llamacpp(arch, tiny_model):
+    """The flash-attention kernels (online softmax, float32 probabilities) run the whole model too:
+    the prompt in one batch and token by token, against llama.cpp on the same file (bound: the
+    module doc)."""
+    g, tok = tiny_model(arch, "Q8_0")
+    native = NativeBackend(g, tok, 256, 2)
+    native.model.set_attention_softmax("online")
+    prefill = native.logits_all(IDS)
+    native.seq.release()
+    decode = np.stack([native.extend([t]) for t in IDS])
+    native.close()
+    ref = _llama_logits(g, tok)
+    assert not np.array_equal(prefill, ref)          # not llama.cpp's softmax under another name
+    _check(decode, ref, ONLINE_TOL, f"{arch} online decode")
+    _check(prefill, ref, ONLINE_TOL, f"{arch} online prefill")
 
 
 def test_prefill_in_chunks_then_decode_equals_one_pass(tiny_model):

@@ -32,17 +32,25 @@ N_GREEDY = 16
 
 
 def engines(tiny_model, arch: str, qtype: str, *rope) -> tuple[TorchBackend, NativeBackend]:
+    """The torch engine on the quantized file and, as its float32 reference, the native engine on the
+    file's F32 twin (its exact dequantization: the native engine's float32 kernels, with the online
+    softmax's float32 probabilities)."""
     g, tok = tiny_model(arch, qtype, *rope)
-    native = NativeBackend(g, tok, 128)
-    native.model.set_llama_rounding(False)
+    twin, twin_tok = tiny_model(arch, qtype, *(rope or (None, None)), f32_twin=True)
+    native = NativeBackend(twin, twin_tok, 128)
     native.model.set_attention_softmax("online")
     return TorchBackend(g, tok, 128, "cpu"), native
 
 
 def close(a: np.ndarray, ref: np.ndarray) -> None:
+    """Within TOL of the largest |logit|, and the same top-1 wherever ref's top-2 margin exceeds
+    that bound (random weights make near-ties that no two float orders rank alike)."""
     assert a.shape == ref.shape
-    assert np.abs(a - ref).max() <= TOL * np.abs(ref).max(), np.abs(a - ref).max()
-    assert (a.argmax(-1) == ref.argmax(-1)).all()
+    bound = TOL * np.abs(ref).max()
+    assert np.abs(a - ref).max() <= bound, np.abs(a - ref).max()
+    top2 = np.sort(ref.reshape(-1, ref.shape[-1]), -1)[:, -2:]
+    decisive = top2[:, 1] - top2[:, 0] > bound
+    assert (a.reshape(top2.shape[0], -1).argmax(-1) == ref.reshape(top2.shape[0], -1).argmax(-1))[decisive].all()
 
 
 @pytest.mark.parametrize("arch,qtype", CASES)

@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 from kernels import types as T
-from kernels.cpu.qdot.act import (_quantize_q8_0_serial, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k,
+from kernels.cpu.qdot.act import (_quantize_q8_0, _quantize_q8_0_serial, _quantize_q8_k, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k,
                                   round_activation)
 from kernels.cpu.qdot.common import NB_PAD
 from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
@@ -100,14 +100,19 @@ Q5_0_PANEL_MIN_ROWS = 48
 EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 else frozenset()
 
 
+def has_exact_kernel(ggml_type: int, n_rows: int, n_cols: int) -> bool:
+    """Does a matrix of this type and shape run on an exact kernel here (exact_layout builds one)?"""
+    return (ggml_type in EXACT_TYPES and not (TRAITS[ggml_type].rows8 and n_rows % 8)
+            and not (ggml_type in DENSE_TYPES and n_cols % 32))
+
+
 def exact_layout(raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int) -> np.ndarray | None:
     """The weights as the exact kernels read them, 8 rows interleaved (the same bytes as GGUF): Q8_0 and
     Q5_0 padded to a multiple of 8 rows, the types llama.cpp repacks (Q4_0, IQ4_NL, Q4_K) only if they
     have one (llama.cpp does not repack such a matrix either, and its other kernel is not reproduced
     here), the other K-quants (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS) rows in place; None where no exact kernel
     applies."""
-    if ggml_type not in EXACT_TYPES or (TRAITS[ggml_type].rows8 and n_rows % 8) or \
-            (ggml_type in DENSE_TYPES and n_cols % 32):
+    if not has_exact_kernel(ggml_type, n_rows, n_cols):
         return None
     if ggml_type == T.Q4_K:
         return repack_q4_k_x8(raw, n_cols)
@@ -134,13 +139,21 @@ def run_arrays(runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _run_arrays(runs, M: int):
     if isinstance(runs, tuple) and len(runs) == 3 and isinstance(runs[0], np.ndarray):
-        return runs                                       # prebuilt (models.transformer.RowPlan)
+        return runs                                       # prebuilt
     if runs is None:
         runs = [(0, M, True)]
     starts, lens, batched = run_arrays(runs)
     if lens.sum() != M:
         raise ValueError(f"runs cover {lens.sum()} rows, the activation has {M}")
     return starts, lens, batched
+
+
+def layout_prefix(layout: np.ndarray, ggml_type: int, n_out: int) -> np.ndarray:
+    """The part of an exact layout the first n_out output rows need (a draft model's truncated
+    vocabulary): its rows or 8-row groups, and for the dense types whole tinyBLAS tiles."""
+    if ggml_type in DENSE_TYPES and layout.shape[0] % TINY_MR == 0:
+        return layout[:-(-n_out // TINY_MR) * TINY_MR]
+    return TRAITS[ggml_type].layout_prefix(layout, n_out)
 
 
 def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=None) -> np.ndarray:
@@ -151,10 +164,8 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     and a one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
     M = rows.n_rows
     traits = TRAITS[ggml_type]
-    w = traits.layout_prefix(layout, n_out)                     # the rows (or 8-row groups) needed
-    tiny_ok = ggml_type in DENSE_TYPES and layout.shape[0] % TINY_MR == 0
-    if tiny_ok:                                # tinyBLAS's tiles of the whole matrix stay whole
-        w = layout[:-(-n_out // TINY_MR) * TINY_MR]
+    w = layout_prefix(layout, ggml_type, n_out)
+    tiny_ok = ggml_type in DENSE_TYPES and layout.shape[0] % TINY_MR == 0   # tinyBLAS's tiles stay whole
     out = np.empty((M, traits.layout_rows(w)), np.float32)
     if ggml_type in DENSE_TYPES:
         _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
@@ -203,11 +214,18 @@ class Q8Buffers(NamedTuple):
 
 @njit(cache=True, error_model="numpy")
 def quantize_into(h, kind, q):
-    """Quantize (round) rows h (R, K) for a vec-dot type (kind: types.ACT_*) into q (Q8Buffers)."""
+    """Quantize (round) rows h (R, K) for a vec-dot type (kind: types.ACT_*) into q (Q8Buffers):
+    one row on the calling thread, more split across threads (the same numbers)."""
     if kind == ACT_Q8_0:
-        _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx, q.s1)
+        if h.shape[0] > 1:
+            _quantize_q8_0(h, q.xq, q.dx0, q.sx, q.s1)
+        else:
+            _quantize_q8_0_serial(h, q.xq, q.dx0, q.sx, q.s1)
     elif kind == ACT_Q8_K:
-        _quantize_q8_k_serial(h, q.xq, q.dxk, q.bs16, q.bsp)
+        if h.shape[0] > 1:
+            _quantize_q8_k(h, q.xq, q.dxk, q.bs16, q.bsp)
+        else:
+            _quantize_q8_k_serial(h, q.xq, q.dxk, q.bs16, q.bsp)
     else:
         round_activation(h, kind, q.xf)
 
@@ -232,5 +250,12 @@ def matmul_row(layout, ggml_type, q, runs, out):
         _iq4_xs_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q4_K:
         _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
+    elif ggml_type == T.Q5_0 and q.xq.shape[0] >= Q5_0_PANEL_MIN_ROWS:
+        M, K = q.xq.shape
+        nbp = -(-(K // 32) // NB_PAD) * NB_PAD
+        xb = np.empty((-(-M // PANEL_MR), K // 32, PANEL_MR, 32), np.uint8)
+        dxb = np.empty((xb.shape[0], PANEL_MR, nbp), np.float32)
+        _bias_groups(q.xq, q.dx0, PANEL_MR, xb, dxb)
+        _q5_0_prompt(layout, xb, dxb, M, out)
     else:
         _q0_x8_rows(ggml_type, layout, q.xq, q.dx0, q.sx, q.s1, out)
