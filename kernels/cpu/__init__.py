@@ -1,4 +1,5 @@
-"""CPU kernels (numba): GGML dequantization, quantized GEMV/GEMM, norms/rope/activations, paged flash attention."""
+"""CPU kernels (numba): GGML dequantization, exact quantized matmuls, norms/rope/activations, paged attention,
+and the decoder layer that chains them (fused)."""
 from kernels.cpu import isa
 
 isa.apply()   # before any kernel compiles: KVCHAT_ISA picks the instruction set

@@ -1,7 +1,7 @@
 """The instruction set the CPU kernels are compiled for, chosen once, before numba compiles anything.
 
 numba's LLVM compiles for the CPU it runs on (AVX-512 on Zen 4/5, AVX2 on Zen 3), and torch's
-oneDNN/ATen (the bf16 prefill GEMM of the float path) dispatches on it too. The exact kernels'
+oneDNN/ATen (the torch engine on the CPU) dispatches on it too. The exact kernels'
 integer dot products take the widest unit the choice allows: vpdpbusd (VNNI) where it has one,
 vpmaddubsw + vpmaddwd otherwise, and the K-quants' scaled sums one vpdpwssd in place of vpmaddwd +
 vpaddd. Both give the same integers (the kernels' operands never saturate vpmaddubsw's int16 pairs,
