@@ -299,7 +299,7 @@ class Decoder:
         self.output = self.tok_embd if tied else w.matrix("output.weight")
         self.nbytes = sum(m.nbytes for m in self._matrices())
         self.softmax = "llama.cpp"
-        self._pool: dict = {}            # (block shape, runs) -> fused.RowBuffers of at most POOLED_ROWS rows
+        self._pool: dict = {}            # (block shape, runs' bytes) -> fused.RowBuffers of at most POOLED_ROWS rows
 
     def set_attention_softmax(self, softmax: str) -> None:
         """"llama.cpp" (the default: its float16 probabilities, so greedy output tracks llama.cpp's)
@@ -333,15 +333,17 @@ class Decoder:
         each segment's last-token logits, equal to what forward() gives for it alone."""
         return self._pass(np.asarray(tokens, dtype=np.int64).reshape(-1), segments, False)
 
-    def _buffers(self, block: Block, runs: tuple, key: bytes, local: dict) -> fused.RowBuffers:
-        """The row buffers for this block's shape and these runs (key: the runs' bytes)."""
-        T = int(runs[1].sum())
-        pool = self._pool if T <= POOLED_ROWS else local
-        bufs = pool.get((block.shape, key))
+    def _buffers(self, block: Block, runs: tuple, T: int) -> fused.RowBuffers:
+        """The row buffers of T rows for this block's shape and these runs: pooled for few rows,
+        new for a prompt chunk's pass."""
+        if T > POOLED_ROWS:
+            return fused.row_buffers(block.weights, T, runs)
+        key = (block.shape, b"".join(a.tobytes() for a in runs))
+        bufs = self._pool.get(key)
         if bufs is None:
-            if pool is self._pool and len(pool) >= POOL_SIZE:
-                pool.clear()
-            bufs = pool[(block.shape, key)] = fused.row_buffers(block.weights, T, runs)
+            if len(self._pool) >= POOL_SIZE:
+                self._pool.clear()
+            bufs = self._pool[key] = fused.row_buffers(block.weights, T, runs)
         return bufs
 
     def _pass(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool,
@@ -373,15 +375,17 @@ class Decoder:
         bs = kv.k_cache[0].shape[1]
         plans = {w: attention_plan(rows, w, cfg.n_head, cfg.n_head_kv, cfg.head_dim, bs, self.softmax)
                  for w in set(cfg.layer_window)}
-        key = b"".join(a.tobytes() for a in runs)
-        keep_key = b"keep" + b"".join(a.tobytes() for a in keep_runs)
-        local: dict = {}
+        k_cache, v_cache = kv.k_cache, kv.v_cache
+        bufs: dict = {}                     # block shape -> its buffers for this pass
         last = len(self.blocks) - 1
         for il, block in enumerate(self.blocks):
-            args = (x, tables[block.rope_base], block.weights, kv.k_cache[il].view(np.uint16),
-                    kv.v_cache[il].view(np.uint16), plans[block.window], self._buffers(block, runs, key, local))
+            b = bufs.get(block.shape)
+            if b is None:
+                b = bufs[block.shape] = self._buffers(block, runs, T)
+            args = (x, tables[block.rope_base], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
+                    plans[block.window], b)
             if il == last and keep is not None:
-                x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, keep_key, local))
+                x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)))
             else:
                 fused.layer(*args)
         return self._logits(x, keep_runs, vocab_limit)
