@@ -157,6 +157,14 @@ class ChatSession:
         else:
             self.history.update_conversation(self.conversation_id, system_prompt=text)
 
+    def check_fits(self, engine, message: str, attachments: Sequence, reserve: int) -> None:
+        """Refuse (BadInputError) a message with files that does not fit the context with this
+        chat's system prompt, `reserve` tokens left for the reply (core.attachments.check_message_fits)."""
+        from core.attachments import check_message_fits
+        system = self.system_prompt()
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+        check_message_fits(engine, messages, attachments, engine.has_chat_template, reserve)
+
     def set_params(self, params: SamplingParams) -> None:
         self.params = params
         if self.conversation_id is not None:

@@ -23,8 +23,8 @@ from textual.widgets import Footer
 from textual.worker import get_current_worker
 
 from app.tui.actions import ChatActions
-from app.tui.events import (AttachmentReady, AttachmentRefused, ModelFailed, ModelLoaded, ModelProgress, ResponseDone,
-                            ResponseFailed, ResponseStarted, TokenArrived)
+from app.tui.attach_actions import AttachmentActions
+from app.tui.events import ModelFailed, ModelLoaded, ModelProgress, ResponseDone, ResponseFailed, ResponseStarted, TokenArrived
 from app.tui.widgets.attachments import AttachmentBar
 from app.tui.widgets.chat_input import ChatInput
 from app.tui.widgets.chat_view import ChatView
@@ -32,8 +32,7 @@ from app.tui.widgets.messages import AssistantMessage, UserMessage
 from app.tui.widgets.model_loading import ModelLoading
 from app.tui.widgets.sidebar import Sidebar
 from app.tui.widgets.stats import StatusBar, XRayPanel, speculative_text, status_line
-from core.attachments import (Attachment, check_attachment_fits, check_message_fits, compose_message, count_tokens,
-                              read_attachment)
+from core.attachments import compose_message
 from core.chat_session import ChatSession, Reply
 from core.history import History
 from core.types import SamplingParams
@@ -46,7 +45,7 @@ TOKEN_BATCH_S = 0.1        # the worker posts streamed text at most 10 times a s
 STATS_REFRESH_S = 0.25
 
 
-class KvChatApp(ChatActions, App):
+class KvChatApp(ChatActions, AttachmentActions, App):
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
     BINDINGS = [
@@ -194,46 +193,6 @@ class KvChatApp(ChatActions, App):
         await view.add(UserMessage(message, message_id))
         await self.start_reply()
         await self.refresh_sidebar()
-
-    def attachments_fit(self, message: str, attachments: list[Attachment]) -> bool:
-        """A message with files is checked before it is saved: one that does not fit is a toast with
-        its tokens and the context's size, and nothing typed or attached is lost."""
-        if not attachments:
-            return True
-        system = self.session.system_prompt()
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
-        try:
-            check_message_fits(self.engine, messages, attachments, self.engine.has_chat_template, self.params.max_tokens)
-        except BadInputError as e:
-            self.notify(str(e), title="Too long for the context", severity="error", timeout=10)
-            return False
-        except RuntimeError as e:   # the engine's process is gone
-            self.notify(f"{e}. Load a model again with f5.", title="Engine error", severity="error", timeout=10)
-            return False
-        return True
-
-    @work(thread=True, group="attach")
-    def attach_file(self, engine, path: str, reserve: int) -> None:
-        """Read a file and count its tokens off the UI thread: a big file takes seconds to tokenize,
-        and the engine's process answers only after the reply in flight. Its chip appears once it is
-        counted (AttachmentReady); a file that cannot be attached is a toast (AttachmentRefused)."""
-        try:
-            attachment = read_attachment(path)
-            n_tokens = count_tokens(engine, attachment)
-            check_attachment_fits(attachment, n_tokens, engine.n_ctx, reserve)
-        except (BadInputError, RuntimeError) as e:    # RuntimeError: the engine's process is gone
-            self.post_message(AttachmentRefused(str(e)))
-            return
-        self.post_message(AttachmentReady(attachment, n_tokens))
-
-    @on(AttachmentReady)
-    async def on_attachment_ready(self, event: AttachmentReady) -> None:
-        if not await self.query_one(AttachmentBar).add(event.attachment, event.n_tokens):
-            self.notify(f"{event.attachment.name} is attached already")
-
-    @on(AttachmentRefused)
-    def on_attachment_refused(self, event: AttachmentRefused) -> None:
-        self.notify(event.error, title="Cannot attach", severity="error", timeout=10)
 
     async def start_reply(self) -> None:
         engine = self.engine
