@@ -516,12 +516,10 @@ class AttentionPlan(NamedTuple):
     online: bool              # flash attention (float32 probabilities): asked for, or a head dim the
                               # llama.cpp kernels do not take
     window: int
-    rows: np.ndarray          # (R,) int64 the decode rows
+    rows: np.ndarray          # (R, 5) int64 the decode rows: row, keys it sees (its position + 1), its
+                              # first visible key, keys per split (the threads' work items), where its
+                              # scores start (ggml's f16 dot steps 32 keys from key 0)
     tables: np.ndarray        # (R, blocks) int32 their sequences' block tables (zero-padded)
-    n_kv: np.ndarray          # (R,) int64 keys each sees (its position + 1)
-    lo: np.ndarray            # (R,) int64 its first visible key
-    chunk: np.ndarray         # (R,) int64 keys per split of its keys (the threads' work items)
-    key0: np.ndarray          # (R,) int64 where its scores start: ggml's f16 dot steps 32 keys from key 0
     together: bool            # the decode rows in one call (_decode_rows), not one split call each
     segs: np.ndarray          # (S, 5) int64 prompt segments: first row, rows, first position, q tile, paired
     seg_tables: np.ndarray    # (S, blocks) int32 their block tables (zero-padded)
@@ -569,9 +567,10 @@ def attention_plan(segments, window: int, n_q_heads: int, n_kv_heads: int, head_
         else:          # llama.cpp's softmax: the same bits however the keys split
             chunk[i] = -(-n_keys // _choose_splits(n_keys, n_kv_heads, block_size))
     together = len(segments) > 1 and len(rows) > 1 and not online
-    return AttentionPlan(np.concatenate(slots), online, int(window), np.array(rows, np.int64), _padded(tables), n_kv,
-                         lo, chunk, lo - lo % 32, together, np.array(segs, np.int64).reshape(-1, 5),
-                         _padded(seg_tables))
+    # (one array, not five: the layer unboxes its arguments on every call)
+    per_row = np.stack([np.array(rows, np.int64), n_kv, lo, chunk, lo - lo % 32], axis=1)
+    return AttentionPlan(np.concatenate(slots), online, int(window), per_row, _padded(tables), together,
+                         np.array(segs, np.int64).reshape(-1, 5), _padded(seg_tables))
 
 
 def exact_head_dim(hd: int) -> bool:

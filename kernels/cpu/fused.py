@@ -145,14 +145,19 @@ def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
     times q_scale and rounded to float16 into b.q16; k and v written into the float16 cache."""
     T, Hq, hd = q.shape
     Hkv = k.shape[1]
-    for r in range(T):
-        if w.bq.size:
+    if w.bq.size:
+        for r in range(T):
             q[r] += w.bq.reshape(Hq, hd)
             k[r] += w.bk.reshape(Hkv, hd)
             v[r] += w.bv.reshape(Hkv, hd)
-        if w.q_norm.size:
-            _rms_norm_serial(q[r], w.q_norm, w.eps, q[r])
-            _rms_norm_serial(k[r], w.k_norm, w.eps, k[r])
+    if w.q_norm.size:                       # per head: every (row, head) is a norm row
+        q2, k2 = q.reshape(T * Hq, hd), k.reshape(T * Hkv, hd)
+        if T > 1:
+            _rms_norm(q2, w.q_norm, w.eps, q2)
+            _rms_norm(k2, w.k_norm, w.eps, k2)
+        else:
+            _rms_norm_serial(q2, w.q_norm, w.eps, q2)
+            _rms_norm_serial(k2, w.k_norm, w.eps, k2)
     if T > 1:
         _rope(q, cs, w.rope_neox, b.q16)
         _rope(k, cs, w.rope_neox, b.kbuf)
@@ -161,8 +166,7 @@ def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
         _rope_serial(k, cs, w.rope_neox, b.kbuf)
     if w.q_scale != np.float32(1.0):
         b.q16[:] *= w.q_scale
-    for r in range(T):
-        _round_to_f16(b.q16[r], b.q16[r])
+    _round_to_f16(b.q16.reshape(T * Hq, hd), b.q16.reshape(T * Hq, hd))    # one parallel region for all rows
     if T > 1:
         _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, v)
     else:
@@ -178,12 +182,15 @@ def _attend(w, k_cache, v_cache, plan, b):
     R = plan.rows.shape[0]
     if plan.together:
         out = np.empty((R, Hq, hd), np.float32)
-        _decode_rows(b.q16[plan.rows], k_cache, v_cache, plan.tables, plan.n_kv, plan.window, w.kq_scale, w.softcap, out)
+        rows = np.ascontiguousarray(plan.rows[:, 0])
+        _decode_rows(b.q16[rows], k_cache, v_cache, plan.tables, np.ascontiguousarray(plan.rows[:, 1]), plan.window,
+                     w.kq_scale, w.softcap, out)
         for i in range(R):
-            b.att[plan.rows[i]] = out[i]
+            b.att[rows[i]] = out[i]
     else:
         for i in range(R):
-            r, table, lo, hi, chunk = plan.rows[i], plan.tables[i], plan.lo[i], plan.n_kv[i], plan.chunk[i]
+            r, hi, lo, chunk, key0 = plan.rows[i]
+            table = plan.tables[i]
             if plan.online:
                 n_splits = -(-(hi - lo) // chunk)
                 o_part = np.empty((Hq, n_splits, hd), np.float32)
@@ -197,7 +204,6 @@ def _attend(w, k_cache, v_cache, plan, b):
                                    o_part, m_part, l_part)
                 merge_splits(o_part, m_part, l_part, b.att[r])
             else:
-                key0 = plan.key0[i]
                 S = np.empty((Hq, -(-(hi - key0) // 8) * 8), np.float32)    # scores, then probabilities
                 _decode_scores(b.q16[r], k_cache, table, lo, hi, chunk, key0, S)
                 _decode_softmax(S, key0, lo, hi, w.kq_scale, w.softcap)
