@@ -500,6 +500,16 @@ def attention_decode_rows(q, k_cache, v_cache, tables, n_kvs, scale: float, wind
     return out
 
 
+def _split_chunk(n_keys: int, n_splits: int, block_size: int, online: bool) -> int:
+    """Keys per split when one query's n_keys split n_splits ways (the online kernels take whole
+    cache blocks per split)."""
+    n_splits = max(1, min(int(n_splits), n_keys))
+    chunk = -(-n_keys // n_splits)
+    if online and n_splits > 1 and chunk > block_size:
+        chunk = -(-chunk // block_size) * block_size
+    return chunk
+
+
 def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:
     threads = numba.get_num_threads()
     want = max(1, -(-2 * threads // n_kv_heads))  # ~2 work items per thread
@@ -558,14 +568,11 @@ def attention_plan(segments, window: int, n_q_heads: int, n_kv_heads: int, head_
     chunk = np.empty_like(n_kv)
     for i, (hi, first) in enumerate(zip(n_kv, lo)):
         n_keys = int(hi - first)
-        if online:     # as attention_decode splits one row's keys (the online merge's bits depend on it)
-            parallel = n_keys * n_kv_heads * head_dim >= ops.PAR_MIN
-            n_splits = _choose_splits(n_keys, n_kv_heads, block_size) if parallel else 1
-            chunk[i] = -(-n_keys // n_splits)
-            if n_splits > 1 and chunk[i] > block_size:
-                chunk[i] = -(-chunk[i] // block_size) * block_size
-        else:          # llama.cpp's softmax: the same bits however the keys split
-            chunk[i] = -(-n_keys // _choose_splits(n_keys, n_kv_heads, block_size))
+        # online: as attention_decode splits one row's keys (the merge's bits depend on it); llama.cpp's
+        # softmax gives the same bits however the keys split, so they always split across the threads
+        serial = online and n_keys * n_kv_heads * head_dim < ops.PAR_MIN
+        chunk[i] = _split_chunk(n_keys, 1 if serial else _choose_splits(n_keys, n_kv_heads, block_size), block_size,
+                                online)
     together = len(segments) > 1 and len(rows) > 1 and not online
     # (one array, not five: the layer unboxes its arguments on every call)
     per_row = np.stack([np.array(rows, np.int64), n_kv, lo, chunk, lo - lo % 32], axis=1)
@@ -601,13 +608,11 @@ def attention_decode(q, k_cache, v_cache, block_table, n_kv: int, scale: float, 
     parallel = kv_elems >= ops.PAR_MIN
     if n_splits <= 0:
         n_splits = _choose_splits(n_keys, k_cache.shape[2], bs) if parallel else 1
-    n_splits = max(1, min(int(n_splits), n_keys))
-    chunk = -(-n_keys // n_splits)
+    online = softmax == "online" or not exact_head_dim(hd)
+    chunk = _split_chunk(n_keys, n_splits, bs, online)
     table = np.ascontiguousarray(block_table, np.int32)
     out = np.empty((Hq, hd), np.float32)
-    if softmax == "online" or not exact_head_dim(hd):
-        if n_splits > 1 and chunk > bs:
-            chunk = -(-chunk // bs) * bs  # whole cache blocks per split
+    if online:
         n_splits = -(-n_keys // chunk)
         o_part = np.empty((Hq, n_splits, hd), np.float32)
         m_part = np.empty((Hq, n_splits), np.float32)

@@ -130,9 +130,10 @@ def buffer_shape(w: LayerWeights) -> tuple:
 
 
 @njit(cache=True, error_model="numpy")
-def _norm(x, w, eps, out):
-    """RMSNorm of rows x into out: one row on the calling thread, more across threads (same numbers)."""
-    if x.shape[0] > 1:
+def _norm(x, w, eps, out, parallel):
+    """RMSNorm of rows x into out, across threads or on the calling thread (the same numbers): a
+    pass of one token stays on the calling thread, as every step of it does."""
+    if parallel:
         _rms_norm(x, w, eps, out)
     else:
         _rms_norm_serial(x, w, eps, out)
@@ -152,12 +153,8 @@ def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
             v[r] += w.bv.reshape(Hkv, hd)
     if w.q_norm.size:                       # per head: every (row, head) is a norm row
         q2, k2 = q.reshape(T * Hq, hd), k.reshape(T * Hkv, hd)
-        if T > 1:
-            _rms_norm(q2, w.q_norm, w.eps, q2)
-            _rms_norm(k2, w.k_norm, w.eps, k2)
-        else:
-            _rms_norm_serial(q2, w.q_norm, w.eps, q2)
-            _rms_norm_serial(k2, w.k_norm, w.eps, k2)
+        _norm(q2, w.q_norm, w.eps, q2, T > 1)
+        _norm(k2, w.k_norm, w.eps, k2, T > 1)
     if T > 1:
         _rope(q, cs, w.rope_neox, b.q16)
         _rope(k, cs, w.rope_neox, b.kbuf)
@@ -254,7 +251,7 @@ def _attention(x, cs, w, k_cache, v_cache, plan, b):
     """The attention half for rows x (T, D): returns its output (T, D) (a view of b.o)."""
     T, D = x.shape
     Hq, Hkv, hd = w.n_head, w.n_head_kv, w.head_dim
-    _norm(x, w.attn_norm, w.eps, b.h)
+    _norm(x, w.attn_norm, w.eps, b.h, T > 1)
     _project(b.h, w.qkv, b.q8_d, b.runs, b.qkv[0], b.qkv[1], b.qkv[2])
     q = _member(w.qkv.where, 0, b.qkv).reshape(T, Hq, hd)
     k = _member(w.qkv.where, 1, b.qkv).reshape(T, Hkv, hd)
@@ -265,7 +262,7 @@ def _attention(x, cs, w, k_cache, v_cache, plan, b):
     matmul_row(w.wo, w.wo_type, b.q8_o, b.runs, b.o)
     o = b.o[:, :D]
     if w.post_attn_norm.size:
-        _norm(o, w.post_attn_norm, w.eps, o)
+        _norm(o, w.post_attn_norm, w.eps, o, T > 1)
     return o
 
 
@@ -273,7 +270,7 @@ def _attention(x, cs, w, k_cache, v_cache, plan, b):
 def _ffn(x, w, b):
     """The feed-forward half for rows x (T, D), added to x in place."""
     T, D = x.shape
-    _norm(x, w.ffn_norm, w.eps, b.h)
+    _norm(x, w.ffn_norm, w.eps, b.h, T > 1)
     _project(b.h, w.gate_up, b.q8_d, b.runs, b.gate_up[0], b.gate_up[1], b.gate_up[2])
     gate = _member(w.gate_up.where, 0, b.gate_up)
     up = _member(w.gate_up.where, 1, b.gate_up)
@@ -290,7 +287,7 @@ def _ffn(x, w, b):
     matmul_row(w.w_down, w.w_down_type, b.q8_f, b.runs, b.d)
     d = b.d[:, :D]
     if w.post_ffn_norm.size:
-        _norm(d, w.post_ffn_norm, w.eps, d)
+        _norm(d, w.post_ffn_norm, w.eps, d, T > 1)
     x += d
 
 
@@ -321,7 +318,7 @@ def output_rows(x, norm, eps, layout, ggml_type, q8, runs, softcap, logits):
     """The final norm and the output matrix for rows x (R, D) into logits (R, layout rows),
     soft-capped at softcap when it is > 0 (gemma2)."""
     h = np.empty_like(x)
-    _norm(x, norm, eps, h)
+    _norm(x, norm, eps, h, x.shape[0] > 1)
     quantize_into(h, ACT_KIND[ggml_type], q8)
     matmul_row(layout, ggml_type, q8, runs, logits)
     if softcap > 0:
