@@ -48,6 +48,21 @@ INTERPRETED_GEMV_MAX_WEIGHTS = 1 << 18
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
+FP16_ROW_MAX = 2.0 ** 15   # a row of activations is scaled below this before it is rounded to float16
+
+
+def fp16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float32 -> (x / scale as float16, scale (M, 1)) for a float16 matrix product.
+
+    Why: an FFN's down projection takes gate * up, which can pass float16's 65504 (it did in the
+    tests' random models on a GPU); rounded as is it becomes inf, and the KV cache fills with NaN. scale is a power of two per row, 1 where the row fits, so dividing is exact: rows that fit are
+    rounded as before, and rows that do not keep float16's 11 bits. Nothing is read back to the host,
+    so a CUDA graph can capture it."""
+    amax = x.abs().amax(1, keepdim=True)                                            # (M, 1)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_ROW_MAX)).clamp(min=0.0))  # (M, 1), 1 if it fits
+    return (x / scale).to(torch.float16), scale
+
+
 class Scratch:
     """One device buffer that prompts dequantize quantized matrices into, one matrix at a time."""
 
@@ -84,7 +99,8 @@ class TorchMatrix:
             w = dequantize_rows(self.quantized, self.ggml_type, self.n_cols, dtype=self.dtype,
                                 out=self.scratch.matrix(self.n_rows, self.n_cols))
         if w.dtype == torch.float16:     # (CUDA) float32 out: a float16 product overflows past 65504
-            return torch.mm(x.to(w.dtype), w.T, out_dtype=torch.float32)
+            x16, scale = fp16_rows(x)
+            return torch.mm(x16, w.T, out_dtype=torch.float32) * scale
         return (x.to(w.dtype) @ w.T).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
