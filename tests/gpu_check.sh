@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The checks only a GPU can run, in one go, for a CUDA machine that may have no network and no
+# registry model: the GPU tests, then `kvchat bench --device cuda` on shape twins of the registry
+# models (tests/shape_twin.py: their real headers, random weights of the same types and shapes).
+#
+#   here:  for m in qwen2.5-coder-0.5b-instruct gemma-3-270m qwen2.5-coder-1.5b-instruct; do
+#            .venv/bin/python -m tests.shape_twin head "$(.venv/bin/kvchat models path $m)" HEADS; done
+#   there: bash tests/gpu_check.sh HEADS OUT      (writes OUT/pytest.log and OUT/bench-NAME.txt)
+#
+# Where kvchat is not installed (a bare image with torch and Triton), PYTHONPATH must reach this
+# tree and its other dependencies; a `kvchat` script is then written beside python3 for the tests.
+set -uo pipefail
+heads=${1:?heads folder}; out=${2:?output folder}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+if ! command -v kvchat >/dev/null; then
+  bin=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
+  printf '#!%s\nimport sys\nfrom app.cli import main\nsys.exit(main())\n' "$bin/python3" > "$bin/kvchat"
+  chmod +x "$bin/kvchat"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$out/env.txt"
+twins=()
+for head in "$heads"/*.head; do twins+=("/tmp/$(basename "$head" .head).gguf"); done
+( for head in "$heads"/*.head; do python3 -m tests.shape_twin fill "$head" "/tmp/$(basename "$head" .head).gguf"; done ) \
+  > "$out/twins.log" 2>&1 &
+fill=$!
+# the GPU tests: the Triton kernels compiled, the engine on the GPU against the native engine,
+# CUDA graphs against eager steps, running out of GPU memory, and bench on the GPU
+timeout "${TEST_S:-400}" python3 -m pytest -p no:cacheprovider -q -rfEP --timeout 300 \
+  tests/kernels/test_cuda_kernels.py tests/cli/test_bench_gpu.py \
+  tests/engine/test_torch_backend.py::test_cuda_engine_matches_native \
+  tests/engine/test_torch_backend.py::test_cuda_graph_decode_equals_eager \
+  tests/engine/test_torch_backend.py::test_out_of_gpu_memory_is_one_line_and_auto_falls_back_to_the_cpu \
+  tests/engine/test_torch_backend.py::test_cuda_without_cuda_is_one_clear_line > "$out/pytest.log" 2>&1
+echo "pytest exit $?" >> "$out/pytest.log"
+tail -30 "$out/pytest.log"
+wait $fill
+for twin in "${twins[@]}"; do
+  timeout "${BENCH_S:-150}" kvchat bench -m "$twin" --backend torch --device cuda -r 3 2>&1 \
+    | grep -v "de-quantizing\|Loading weights" | tee "$out/bench-$(basename "$twin" .gguf).txt"
+done
