@@ -65,6 +65,36 @@ class Reply:
     truncated: bool
 
 
+class DecodeThreads:
+    """How many threads the chat decodes with: measured on this machine, not guessed.
+
+    Why: the chat's window needs CPU too. Where decode is memory-bound (AMD Zen here) a thread
+    fewer costs decode nothing and keeps Textual's rendering from stalling the engine's parallel
+    regions; where it is compute-bound (the Intel Xeon of the README's "Tested on") that thread is
+    a third of decode's speed. So the first reply of at least MIN_TOKENS decodes on every core but
+    one, the next on all of them, and each later reply on whichever was faster (its best reply).
+    KVCHAT_DECODE_THREADS=N forces N."""
+
+    MIN_TOKENS = 16          # shorter replies say little about decode speed
+
+    def __init__(self, cores: int, forced: str | None = None):
+        if forced is not None and not (forced.isdigit() and int(forced) > 0):
+            raise BadInputError(f"KVCHAT_DECODE_THREADS must be a positive whole number, got '{forced}'")
+        self.forced = int(forced) if forced else None
+        self.choices = sorted({max(1, cores - 1), max(1, cores)})
+        self.rates: dict[int, float] = {}          # threads -> best decode tokens/s of a reply
+
+    def next(self) -> int:
+        if self.forced:
+            return self.forced
+        untried = [n for n in self.choices if n not in self.rates]
+        return untried[0] if untried else max(self.rates, key=self.rates.get)
+
+    def record(self, threads: int, n_tokens: int, per_second: float) -> None:
+        if n_tokens >= self.MIN_TOKENS and per_second > 0:
+            self.rates[threads] = max(per_second, self.rates.get(threads, 0.0))
+
+
 @dataclass
 class ReplyEnd:
     status: str            # complete | stopped | error

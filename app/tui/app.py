@@ -33,7 +33,7 @@ from app.tui.widgets.model_loading import ModelLoading
 from app.tui.widgets.sidebar import Sidebar
 from app.tui.widgets.stats import StatusBar, XRayPanel, speculative_text, status_line
 from core.attachments import compose_message
-from core.chat_session import ChatSession, Reply
+from core.chat_session import ChatSession, DecodeThreads, Reply
 from core.history import History
 from core.types import SamplingParams
 from core.remote_engine import UNKNOWN_CTX
@@ -82,6 +82,7 @@ class KvChatApp(ChatActions, AttachmentActions, App):
         self.remote = remote                       # backend openai: {base_url, api_key} (core.remote_engine)
         self.n_ctx = n_ctx or DEFAULT_CTX
         self.threads = threads
+        self.decode_threads = DecodeThreads(os.cpu_count() or 1, os.environ.get("KVCHAT_DECODE_THREADS"))
         self.speculative = speculative             # core.types.SpeculativeConfig or None
         self.engine = engine
         self.owns_engine = False                   # an engine handed in belongs to the caller
@@ -235,13 +236,17 @@ class KvChatApp(ChatActions, AttachmentActions, App):
         try:
             self.post_message(ResponseStarted(reply.id))
             backend = engine.backend
+            threads = (self.decode_threads.next()
+                       if self.threads is None and backend.capabilities.decode_threads else None)
             try:
-                if self.threads is None and backend.capabilities.decode_threads:
-                    backend.set_decode_threads(max(1, (os.cpu_count() or 1) - 1))   # a core for the UI
+                if threads:
+                    backend.set_decode_threads(threads)
             except RuntimeError:
                 pass                  # the engine is gone: generating reports it as the reply's error
             spec = self.speculative if backend.capabilities.speculative else None
             end = self.session.stream_reply(engine, reply, cancel, spec, on_text)
+            if threads and end.status == "complete":
+                self.decode_threads.record(threads, backend.timings.predicted_n, backend.timings.predicted_per_second)
             if pending:
                 self.post_message(TokenArrived(reply.id, "".join(pending)))
             if end.status == "error":
@@ -317,6 +322,7 @@ class KvChatApp(ChatActions, AttachmentActions, App):
         if old is not None and old is not self.engine and self.owns_engine:
             old.close()                          # (an engine handed in belongs to the caller)
         self.owns_engine = True
+        self.decode_threads.rates.clear()        # another model: measured again
         if not self.engine.has_chat_template:
             self.notify(f"{self.engine.model_name} has no chat template: plain completion of the conversation")
         for line in self.engine.notes:           # e.g. llama.cpp runs a file kvchat's engine does not

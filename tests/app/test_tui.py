@@ -289,6 +289,37 @@ async def test_xray_shows_speculative_acceptance(tmp_path):
         native.close()
 
 
+async def test_the_chat_measures_its_decode_threads(tmp_path):
+    """The chat's first reply decodes on every core but one, the second on all, the third on the
+    faster of the two (core.chat_session.DecodeThreads); the thread counts reach the engine."""
+    import os
+
+    from core.chat_session import DecodeThreads
+    from core.engine import Engine
+    from tests.app.conftest import MODEL, N_CTX
+
+    native = Engine(MODEL, backend="native", n_ctx=N_CTX)
+    calls, set_threads = [], native.backend.set_decode_threads
+    native.backend.set_decode_threads = lambda n: (calls.append(n), set_threads(n))
+    try:
+        app = KvChatApp(engine=native, db_path=tmp_path / "h.db")
+        no_end = tuple((t, -100.0) for t in native.tokenizer.eog_ids)          # every reply 20 tokens
+        app.params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias=no_end)
+        async with app.run_test(size=(110, 32)) as pilot:
+            for turn in range(3):
+                await type_and_send(pilot, f"Count to twenty, turn {turn}.")
+                await wait_until(pilot, lambda: len(calls) == turn + 1 and not app.generating, 120, "the reply")
+                await pilot.pause()
+        cores = os.cpu_count() or 1
+        first, second = max(1, cores - 1), cores
+        rates = app.decode_threads.rates
+        assert set(rates) == {first, second} and all(r > 0 for r in rates.values())
+        assert calls[:2] == [first, second] and calls[2] == max(rates, key=rates.get)
+        assert DecodeThreads.MIN_TOKENS <= 20
+    finally:
+        native.close()
+
+
 async def test_a_model_the_app_loads_runs_in_its_own_process(tmp_path, gemma_path):
     """`kvchat chat` loads its model into a child process (core.engine_process): the reply, the live
     numbers and the history are as with an in-process engine, and the child ends with the app."""

@@ -98,3 +98,28 @@ def test_a_chat_started_with_a_schema_replies_in_it(session, engine):
     assert status == "complete" and json.loads(text) in ("yes", "no")
     session.open(session.conversation_id)
     assert session.begin_reply(engine).params.json_schema == session.output_format["json_schema"]
+
+
+def test_decode_threads_tries_both_then_keeps_the_faster():
+    from core.chat_session import DecodeThreads
+    from models.errors import BadInputError
+    d = DecodeThreads(4)
+    assert d.choices == [3, 4] and d.next() == 3
+    d.record(3, DecodeThreads.MIN_TOKENS - 1, 99.0)        # too short a reply to count
+    assert d.next() == 3
+    d.record(3, 40, 30.0)
+    assert d.next() == 4
+    d.record(4, 40, 45.0)
+    assert d.next() == 4
+    d.record(3, 40, 50.0)                                   # each count's best reply
+    assert d.next() == 3 and d.rates == {3: 50.0, 4: 45.0}
+    one = DecodeThreads(1)
+    assert one.choices == [1] and one.next() == 1
+    one.record(1, 40, 10.0)
+    assert one.next() == 1
+    forced = DecodeThreads(4, "2")
+    forced.record(2, 40, 1.0)
+    assert forced.next() == 2
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(BadInputError, match="KVCHAT_DECODE_THREADS"):
+            DecodeThreads(4, bad)
