@@ -373,8 +373,9 @@ def cmd_models(args) -> int:
             print("engine          " + (f"llama.cpp (kvchat's engine does not run {lacks} yet)" if lacks
                                         else "kvchat's own (native on the CPU, torch on a GPU)"))
             if not lacks:
-                from kernels.cpu.isa import ISA_ENV, chosen, variant
-                print(f"CPU kernels     {variant()} ({ISA_ENV}={chosen()}; every variant computes the same bits)")
+                from kernels.cpu.isa import ISA_ENV, PREFETCH_ENV, chosen, prefetch_target, variant
+                print(f"CPU kernels     {variant()} ({ISA_ENV}={chosen()}; every variant computes the same bits), "
+                      f"prefetch into {prefetch_target()} ({PREFETCH_ENV})")
             slow = info["torch_dequantized"]
             print("torch engine    " + (f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow
                                         else "reads every quantized matrix in place"))

@@ -28,15 +28,17 @@ def data_dir() -> Path:
 
 
 def kernels_fingerprint() -> str:
-    """Hash of the numba kernels' sources (kernels/cpu/**/*.py, kernels/types.py) and numba's version. numba's own cache
-    notices when the file of a compiled function changes, not when a helper it inlines from another
-    module does (ops.ggml_expf inside the attention kernels): a new fingerprint is a fresh cache."""
+    """Hash of the numba kernels' sources (kernels/cpu/**/*.py, kernels/types.py), KVCHAT_PREFETCH
+    and numba's version. numba's own cache notices when the file of a compiled function changes, not
+    when a helper it inlines from another module does (ops.ggml_expf inside the attention kernels),
+    nor a choice compiled in from the environment: a new fingerprint is a fresh cache."""
     from importlib import metadata
 
     h = hashlib.sha256()
     kernels = Path(__file__).resolve().parent.parent / "kernels"
     for f in [kernels / "types.py", *sorted((kernels / "cpu").rglob("*.py"))]:   # types: constants they compile in
         h.update(str(f.relative_to(kernels)).encode() + b"\0" + f.read_bytes())
+    h.update(os.environ.get("KVCHAT_PREFETCH", "").encode())   # compiled in (kernels.cpu.isa.prefetch_target)
     try:
         h.update(metadata.version("numba").encode())
     except metadata.PackageNotFoundError:

@@ -14,6 +14,9 @@ so that tests can run every variant a machine can execute and a comparison can p
 - `avx2`: this CPU's features less everything beyond x86-64-v3, as an AVX2-only CPU (Zen 3) has.
 
 tests/engine/test_cpu_variants.py runs the exactness suites under every variant this CPU executes.
+
+`KVCHAT_PREFETCH=l1|l2` forces the other CPU-dependent choice made here, where decode's software
+prefetches put the weights (prefetch_target).
 """
 from __future__ import annotations
 
@@ -28,6 +31,33 @@ CHOICES = ("native", "avx2", "avxvnni", "avx512vnni")
 # VNNI/IFMA extensions, AMX, and GFNI / VAES / VPCLMULQDQ (which LLVM uses for byte shuffles and
 # shifts; Zen 3 has no GFNI, Haswell none of the three)
 _BEYOND_AVX2 = ("avx512", "avxvnni", "avxifma", "avxneconvert", "amx", "gfni", "vaes", "vpclmulqdq")
+
+
+PREFETCH_ENV = "KVCHAT_PREFETCH"
+PREFETCH_CHOICES = ("auto", "l1", "l2")
+
+
+def _vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def prefetch_target() -> str:
+    """Where the decode kernels' software prefetches bring the weights they read next: "l1"
+    (prefetcht0) or "l2" (prefetcht1). Why it depends on the CPU: decode streams every weight from
+    memory once per token, and on the Intel Xeon of the README a stream of prefetcht0 read memory
+    about a quarter slower than prefetcht1 (each one holds a line-fill buffer until the line reaches
+    L1), while AMD Zen reached 80% of its bandwidth with prefetcht0. "auto": l2 on Intel, l1 elsewhere.
+    The results are the same bits either way."""
+    choice = os.environ.get(PREFETCH_ENV, "auto").strip().lower() or "auto"
+    if choice not in PREFETCH_CHOICES:
+        raise BadInputError(f"{PREFETCH_ENV}={choice!r} is not one of {', '.join(PREFETCH_CHOICES)}")
+    if choice != "auto":
+        return choice
+    return "l2" if _vendor() == "GenuineIntel" else "l1"
 
 
 def chosen() -> str:
@@ -81,6 +111,7 @@ def apply() -> str:
     configuration is read again (nothing is compiled before the kernels' modules load)."""
     isa = chosen()
     check(isa)
+    prefetch_target()                    # a bad KVCHAT_PREFETCH is refused before anything compiles
     if isa in ("avx2", "avxvnni") and "NUMBA_CPU_FEATURES" not in os.environ:
         from llvmlite import binding as llvm
         os.environ["NUMBA_CPU_NAME"] = "x86-64-v3"

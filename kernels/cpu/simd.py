@@ -17,6 +17,7 @@ _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
 VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit registers (kernels.cpu.isa)
 REGISTERS = 32 if _isa.variant() == "avx512vnni" else 16   # vector registers the kernels' tiles can fill
+PREFETCH_LOCALITY = 3 if _isa.prefetch_target() == "l1" else 2  # llvm.prefetch's: 3 prefetcht0, 2 prefetcht1
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 f16, f32 = ir.HalfType(), ir.FloatType()
@@ -72,10 +73,11 @@ def byte_ptr(builder, ptr):
 
 
 def prefetch(builder, ptr):
-    """Software prefetch of the cache line at ptr into all cache levels (prefetcht0)."""
+    """Software prefetch of the cache line at ptr: into L1 (prefetcht0) or L2 (prefetcht1), as
+    kernels.cpu.isa.prefetch_target chose for this CPU."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
                                         "llvm.prefetch.p0")
-    builder.call(fn, [builder.bitcast(ptr, i8.as_pointer()), c32(0), c32(3), c32(1)])
+    builder.call(fn, [builder.bitcast(ptr, i8.as_pointer()), c32(0), c32(PREFETCH_LOCALITY), c32(1)])
 
 
 def maddubs(builder, u8, s8):

@@ -5,7 +5,9 @@ The rest of the suite runs with the choices this CPU makes by itself. What a CPU
   other float32 routines than an AVX2 Zen 3, which is how rope's theta_scale once went one ulp off;
 - the instruction set numba compiles the kernels for, the exact kernels' variant (vpdpbusd with
   AVX-512 VNNI or AVX-VNNI, vpmaddubsw + vpmaddwd with AVX2), and torch's oneDNN/ATen dispatch for
-  the float path's bf16 prefill GEMM (all forced with KVCHAT_ISA, see kernels/cpu/isa.py).
+  the float path's bf16 prefill GEMM (all forced with KVCHAT_ISA, see kernels/cpu/isa.py);
+- where decode's software prefetches put the weights (KVCHAT_PREFETCH: L2 on Intel, L1 elsewhere),
+  which moves no value: its other choice runs the exact matmul suite once.
 
 Each variant below reruns, in a fresh process, the tests that compare with llama.cpp bit for bit
 (and within stated tolerances) through the whole model, plus the kernels' libm and op tests, which
@@ -18,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -76,3 +79,39 @@ def test_exactness_suites_pass_under_cpu_variant(name):
     assert proc.returncode == 0, f"{name} {VARIANTS[name]}:\n{tail}"
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and not re.search(r"skipped|failed|error", summary), summary
+
+
+OTHER_PREFETCH = "l1" if isa.prefetch_target() == "l2" else "l2"
+PREFETCH_ASM = {"l1": "prefetcht0", "l2": "prefetcht1"}
+ASM_CHECK = """
+import numpy as np
+from kernels import types as T
+from kernels.cpu.qdot import Int8Rows, exact_layout, matmul
+from kernels.cpu.qdot.q4_k import _q4_k_rows
+raw = np.random.default_rng(0).integers(0, 256, size=(64, 6 * 144), dtype=np.uint8)
+x = np.random.default_rng(1).standard_normal((1, 1536)).astype(np.float32)
+matmul(exact_layout(raw, T.Q4_K, 64, 1536), T.Q4_K, Int8Rows(x, T.TRAITS[T.Q4_K].vec_dot), 64)
+asm = "\\n".join(_q4_k_rows.inspect_asm().values())
+print({i: asm.count(i) for i in ("prefetcht0", "prefetcht1")})
+"""
+
+
+@pytest.mark.real_model
+def test_the_other_prefetch_target_compiles_in_and_keeps_the_bits():
+    """KVCHAT_PREFETCH (kernels/cpu/isa.py prefetch_target) forced to the target this CPU does not
+    pick: decode's kernels carry its instruction (in a compile cache of its own), and the exact
+    matmuls still equal llama.cpp's bit for bit (a prefetch moves no value)."""
+    env = os.environ | {"KVCHAT_PREFETCH": OTHER_PREFETCH}
+    env.pop("NUMBA_CACHE_DIR", None)                       # the fingerprint keeps this choice's own cache
+    with tempfile.TemporaryDirectory() as fresh:            # numba shows no machine code of cached functions
+        check = subprocess.run([sys.executable, "-c", ASM_CHECK], cwd=ROOT, env=env | {"NUMBA_CACHE_DIR": fresh},
+                               capture_output=True, text=True, timeout=1200)
+    assert check.returncode == 0, check.stderr[-2000:]
+    counts = eval(check.stdout.strip().splitlines()[-1])   # noqa: S307 - the dict printed just above
+    want, other = PREFETCH_ASM[OTHER_PREFETCH], PREFETCH_ASM[isa.prefetch_target()]
+    assert counts[want] > 0 and counts[other] == 0, counts
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                           "tests/kernels/test_matmul.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0 and re.search(r"\d+ passed", summary) and "skipped" not in summary, proc.stdout[-3000:]
+
