@@ -78,7 +78,8 @@ class DecodeThreads:
     MIN_TOKENS = 16          # shorter replies say little about decode speed
 
     def __init__(self, cores: int, forced: str | None = None):
-        if forced is not None and not (forced.isdigit() and int(forced) > 0):
+        forced = (forced or "").strip()                   # unset or empty: measured
+        if forced and not (forced.isdigit() and int(forced) > 0):
             raise BadInputError(f"KVCHAT_DECODE_THREADS must be a positive whole number, got '{forced}'")
         self.forced = int(forced) if forced else None
         self.choices = sorted({max(1, cores - 1), max(1, cores)})

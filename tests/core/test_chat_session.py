@@ -120,6 +120,7 @@ def test_decode_threads_tries_both_then_keeps_the_faster():
     forced = DecodeThreads(4, "2")
     forced.record(2, 40, 1.0)
     assert forced.next() == 2
-    for bad in ("0", "-1", "two", ""):
+    assert DecodeThreads(4, "").next() == 3 and DecodeThreads(4, " 2 ").next() == 2   # empty: unset
+    for bad in ("0", "-1", "two", "1.5"):
         with pytest.raises(BadInputError, match="KVCHAT_DECODE_THREADS"):
             DecodeThreads(4, bad)
