@@ -7,8 +7,9 @@
 #            .venv/bin/python -m tests.shape_twin head "$(.venv/bin/kvchat models path $m)" HEADS; done
 #   there: bash tests/gpu_check.sh HEADS OUT      (writes OUT/pytest.log and OUT/bench-NAME.txt)
 #
-# Where kvchat is not installed (a bare image with torch and Triton), PYTHONPATH must reach this
-# tree and its other dependencies; a `kvchat` script is then written beside python3 for the tests.
+# python3 is the Python that has kvchat's dependencies (put a venv's bin first on PATH). Where
+# kvchat is not installed (a bare image with torch and Triton), PYTHONPATH must reach this tree and
+# its other dependencies; a `kvchat` script is then written beside python3 for the tests.
 set -uo pipefail
 heads=${1:?heads folder}; out=${2:?output folder}
 export PYTHONUNBUFFERED=1
@@ -27,7 +28,8 @@ for head in "$heads"/*.head; do twins+=("/tmp/$(basename "$head" .head).gguf"); 
 fill=$!
 # the GPU tests: the Triton kernels compiled, the engine on the GPU against the native engine,
 # CUDA graphs against eager steps, running out of GPU memory, and bench on the GPU
-timeout "${TEST_S:-400}" python3 -m pytest -p no:cacheprovider -q -rfEP --timeout 300 \
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")   # where pytest-timeout is there
+timeout "${TEST_S:-400}" python3 -m pytest -p no:cacheprovider -q -rfEP $per_test \
   tests/kernels/test_cuda_kernels.py tests/cli/test_bench_gpu.py \
   tests/engine/test_torch_backend.py::test_cuda_engine_matches_native \
   tests/engine/test_torch_backend.py::test_cuda_graph_decode_equals_eager \
