@@ -55,9 +55,10 @@ def fp16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) float32 -> (x / scale as float16, scale (M, 1)) for a float16 matrix product.
 
     Why: an FFN's down projection takes gate * up, which can pass float16's 65504 (it did in the
-    tests' random models on a GPU); rounded as is it becomes inf, and the KV cache fills with NaN. scale is a power of two per row, 1 where the row fits, so dividing is exact: rows that fit are
-    rounded as before, and rows that do not keep float16's 11 bits. Nothing is read back to the host,
-    so a CUDA graph can capture it."""
+    tests' random models on a GPU); rounded as is it becomes inf, and the KV cache fills with NaN.
+    scale is a power of two per row, 1 where the row fits, so dividing is exact: rows that fit are
+    rounded as before, and rows that do not keep float16's 11 bits. Nothing is read back to the
+    host, so a CUDA graph can capture it."""
     amax = x.abs().amax(1, keepdim=True)                                            # (M, 1)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP16_ROW_MAX)).clamp(min=0.0))  # (M, 1), 1 if it fits
     return (x / scale).to(torch.float16), scale

@@ -17,12 +17,14 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-# type -> (byte range of its f16 scale fields within a block, the scale drawn there): the scales make
-# dequantized weights of std about 0.02-0.05, as a trained model's are
-SCALES = {"Q4_0": ((0, 2), 8e-3), "Q4_1": ((0, 4), 8e-3), "Q5_0": ((0, 2), 4e-3), "Q5_1": ((0, 4), 4e-3),
-          "Q8_0": ((0, 2), 5e-4), "Q2_K": ((80, 84), 4e-3), "Q3_K": ((108, 110), 5e-4),
-          "Q4_K": ((0, 4), 1e-4), "Q5_K": ((0, 4), 5e-5), "Q6_K": ((208, 210), 3e-5),
-          "IQ4_NL": ((0, 2), 3e-4), "IQ4_XS": ((0, 2), 3e-5)}
+# byte range of each type's f16 scale fields within a block (they must hold finite, small values in
+# a random block; tests/engine/conftest.py's random K-quant blocks use it too)
+F16_FIELDS = {"Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 2), "Q5_1": (0, 4), "Q8_0": (0, 2),
+              "Q2_K": (80, 84), "Q3_K": (108, 110), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210),
+              "IQ4_NL": (0, 2), "IQ4_XS": (0, 2)}
+# the scale drawn there: dequantized weights of std about 0.02-0.05, as a trained model's are
+SCALES = {"Q4_0": 8e-3, "Q4_1": 8e-3, "Q5_0": 4e-3, "Q5_1": 4e-3, "Q8_0": 5e-4, "Q2_K": 4e-3, "Q3_K": 5e-4,
+          "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 3e-5, "IQ4_NL": 3e-4, "IQ4_XS": 3e-5}
 
 
 def write_head(model: Path, out_dir: Path) -> Path:
@@ -50,7 +52,7 @@ def fill(head: Path, twin: Path, seed: int = 0) -> Path:
             values = (0.02 * rng.standard_normal(data.shape)).astype(np.float32)
             data[...] = values.astype(np.float16) if name == "F16" else (values.view(np.uint32) >> 16).astype(np.uint16)
         elif name in SCALES:
-            (a, b), scale = SCALES[name]
+            (a, b), scale = F16_FIELDS[name], SCALES[name]
             size = gguf.GGML_QUANT_SIZES[t.tensor_type][1]
             blocks = data.reshape(-1, size)                 # (n_blocks, bytes per block), a view of the file
             blocks[...] = rng.integers(0, 256, size=blocks.shape, dtype=np.uint8)

@@ -17,6 +17,7 @@ import pytest
 from core.tokenizer import Tokenizer
 from kernels.reference import dequantize_ref
 from models.gguf_file import open_model
+from tests.shape_twin import F16_FIELDS
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF = 256, 4, 2, 64, 512
 WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁code", "▁def", "▁return",
@@ -27,9 +28,8 @@ ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemm
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
-# f16 scale fields (byte ranges) that must hold finite, small values, of the types gguf-py cannot quantize
-_K_F16 = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2),
-          "Q3_K": (108, 110), "Q2_K": (80, 84), "IQ4_XS": (0, 2)}
+# the f16 scales drawn into random blocks of the types gguf-py cannot quantize (their byte ranges:
+# tests.shape_twin.F16_FIELDS)
 _K_SCALE = {"Q4_K": (2e-3, 6e-3), "Q5_K": (1e-3, 3e-3), "Q6_K": (1e-3, 4e-3), "IQ4_NL": (1e-3, 3e-3),
             "Q3_K": (3e-3, 9e-3), "Q2_K": (1e-2, 3e-2), "IQ4_XS": (1e-4, 4e-4)}   # weights' std about 0.25
 
@@ -49,11 +49,11 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
         return data.astype(np.float32), t
     if qtype == "F16":
         return data.astype(np.float16), t
-    if qtype in _K_F16:  # gguf-py cannot quantize these: random valid blocks, sane scales
+    if qtype in _K_SCALE:  # gguf-py cannot quantize these: random valid blocks, sane scales
         blk, size = gguf.GGML_QUANT_SIZES[t]
         n, k = data.shape
         raw = rng.integers(0, 256, size=(n, k // blk, size), dtype=np.uint8)
-        a, b = _K_F16[qtype]
+        a, b = F16_FIELDS[qtype]
         lo, hi = _K_SCALE[qtype]
         scales = rng.uniform(lo, hi, size=(n, k // blk, (b - a) // 2)).astype(np.float16)
         raw[..., a:b] = scales.view(np.uint8).reshape(n, k // blk, b - a)

@@ -240,27 +240,21 @@ def test_fp16_rows_scales_only_the_rows_that_would_overflow():
     assert ((got.double() - ref).abs() <= bound).all()
 
 
-def logits_on(device: str, paths: list[str], out: str) -> subprocess.CompletedProcess:
-    """logits_all(IDS) of the torch engine on each file, on `device`, in a process of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" or device == "cpu"}
-    script = """
+# logits_all of the torch engine on the GPU, for each file given: argv out.npz, ids, paths...
+GPU_LOGITS = """
 import sys, numpy as np
 from core.tokenizer import Tokenizer
 from core.torch_backend import TorchBackend
 from models.gguf_file import open_model
-device, out, ids = sys.argv[1], sys.argv[2], [int(i) for i in sys.argv[3].split(",")]
+out, ids = sys.argv[1], [int(i) for i in sys.argv[2].split(",")]
 logits = {}
-for i, path in enumerate(sys.argv[4:]):
+for i, path in enumerate(sys.argv[3:]):
     g = open_model(path)
-    be = TorchBackend(g, Tokenizer.from_gguf(g), 128, device)
+    be = TorchBackend(g, Tokenizer.from_gguf(g), 128, "cuda")
     logits[f"f{i}"] = be.logits_all(ids)
     be.close()
 np.savez(out, **logits)
 """
-    proc = subprocess.run([sys.executable, "-c", script, device, out, ",".join(map(str, IDS)), *paths],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 GPU = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
@@ -281,7 +275,7 @@ def test_cuda_engine_matches_native(tiny_model, tmp_path):
     The 40-token prompt takes the float16 matrix products (more than GEMV_MAX_ROWS rows), which
     round the activations to float16 too: one more relative error of 2^-11 per element, within TOL."""
     paths = [str(tiny_model(arch, qtype)[0].path) for arch, qtype in CASES]
-    logits_on("cuda", paths, str(tmp_path / "cuda.npz"))
+    on_gpu(GPU_LOGITS, str(tmp_path / "cuda.npz"), ",".join(map(str, IDS)), *paths)
     got = np.load(tmp_path / "cuda.npz")
     for i, (arch, qtype) in enumerate(CASES):
         twin, twin_tok = tiny_model(arch, qtype, f32_twin=True)
