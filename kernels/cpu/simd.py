@@ -13,6 +13,8 @@ from numba.core import cgutils
 
 from kernels.cpu import isa as _isa
 
+_llvm.initialize_native_asmparser()      # inline assembly (qdot.q6_k._vpdpwssd) needs it
+
 _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
 VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit registers (kernels.cpu.isa)

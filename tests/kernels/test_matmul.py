@@ -113,13 +113,15 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
 @pytest.mark.parametrize("n_rows, n_cols", [(13, 256), (40, 4864), (33, 896)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 50])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 53])
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
-    or passes of up to 8 rows: 9, 16, 37 take several) and the Q5_0 panel kernel (48 rows or more),
+    or passes of up to 8 rows: 9, 16, 37 take several) and the Q5_0 panel kernel (48 rows or more; both
+    tile heights leave a ragged last tile at 53),
     Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
     layouts' padding."""
-    assert (m >= qdot.Q5_0_PANEL_MIN_ROWS) == (m == 50)    # the panel kernel is covered, by 50 only
+    assert (m >= qdot.Q5_0_PANEL_MIN_ROWS) == (m == 53)    # the panel kernel is covered, by 53 only (ragged
+                                                           # last tiles of 8 and of 3 rows)
     if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
         n_cols = 1536
     if TRAITS[ggml_type].rows8 and n_rows % 8:
@@ -133,6 +135,21 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     rows = Int8Rows(x, TRAITS[ggml_type].vec_dot)
     got = qm.matmul_int8(rows)
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, True)]))
+
+
+def test_the_wide_prompt_kernels_are_the_ones_tested():
+    """With 512-bit registers a prompt's Q6_K rows go through the 16-row kernel (from 16 rows, whole
+    tiles of weight rows) and Q5_0's through the 512-bit panel: the exactness tests above then test
+    them (40 weight rows; 16, 37 and 53 activation rows). Elsewhere neither is picked, and the same
+    tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under each variant)."""
+    wide = qdot.WIDE_PROMPT
+    one_run = lambda n: qdot.run_arrays([(0, n, True)])            # noqa: E731
+    assert qdot._wide_q6_k(40, *one_run(16)) == wide
+    assert not qdot._wide_q6_k(40, *one_run(15))
+    assert not qdot._wide_q6_k(13, *one_run(53))
+    assert not qdot._wide_q6_k(40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
+    assert not qdot._wide_q6_k(40, *qdot.run_arrays([(0, 53, False)]))
+    assert (qdot.q5_0_prompt.py_func.__name__ == "_q5_0_prompt_512") == wide
 
 
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)

@@ -45,15 +45,14 @@ from numba import njit
 from kernels import types as T
 from kernels.cpu.qdot.act import (_quantize_q8_0, _quantize_q8_0_serial, _quantize_q8_k, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k,
                                   round_activation)
-from kernels.cpu.qdot.common import NB_PAD
 from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
-from kernels.cpu.qdot.q0 import PANEL_MR, _bias_groups, _q0_x8_rows, _q5_0_prompt, repack_q0_x8
+from kernels.cpu.qdot.q0 import _q0_x8_rows, q5_0_prompt, q5_0_prompt_operands, repack_q0_x8
 from kernels.cpu.qdot.q4_k import _q4_k_rows, repack_q4_k_x8
 from kernels.cpu.qdot.iq4_xs import _iq4_xs_rows
 from kernels.cpu.qdot.q2_k import _q2_k_rows
 from kernels.cpu.qdot.q3_k import _q3_k_rows
 from kernels.cpu.qdot.q5_k import _q5_k_rows
-from kernels.cpu.qdot.q6_k import _q6_k_rows
+from kernels.cpu.qdot.q6_k import Q6K_NW, Q6K_PROMPT_MIN_ROWS, WIDE_PROMPT, _q6_k_rows, q6_k_prompt, q6_k_rows16
 from kernels.cpu.simd import HAS_AVX2
 from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS
 
@@ -81,16 +80,16 @@ class Int8Rows:
     def n_rows(self) -> int:
         return (self.xf if self.kind >= ACT_F32 else self.xq).shape[0]
 
+    def rows16(self):
+        """(x16, dx16) for the Q6_K 16-row kernel (q6_k.q6_k_rows16)."""
+        if "rows16" not in self._derived:
+            self._derived["rows16"] = q6_k_rows16(self.xq, self.dx)
+        return self._derived["rows16"]
+
     def biased_groups(self):
-        """(xb, dxb) for the Q5_0 panel kernel (see _bias_groups)."""
+        """The activation operands of the Q5_0 panel kernel (q0.q5_0_prompt_operands)."""
         if "biased" not in self._derived:
-            M, K = self.xq.shape
-            G = -(-M // PANEL_MR)
-            nbp = -(-(K // 32) // NB_PAD) * NB_PAD
-            xb = np.empty((G, K // 32, PANEL_MR, 32), np.uint8)
-            dxb = np.empty((G, PANEL_MR, nbp), np.float32)
-            _bias_groups(self.xq, self.dx, PANEL_MR, xb, dxb)
-            self._derived["biased"] = (xb, dxb)
+            self._derived["biased"] = q5_0_prompt_operands(self.xq, self.dx)
         return self._derived["biased"]
 
 
@@ -148,6 +147,14 @@ def _run_arrays(runs, M: int):
     return starts, lens, batched
 
 
+@njit(cache=True)
+def _wide_q6_k(n_out, run_start, run_len, run_batched):
+    """Does a Q6_K product take the 16-row kernel (q6_k.q6_k_prompt)? One batched run (a prompt) of
+    Q6K_PROMPT_MIN_ROWS rows or more, on 512-bit registers, with whole tiles of weight rows."""
+    return (WIDE_PROMPT and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= Q6K_PROMPT_MIN_ROWS
+            and n_out % Q6K_NW == 0)
+
+
 def layout_prefix(layout: np.ndarray, ggml_type: int, n_out: int) -> np.ndarray:
     """The part of an exact layout the first n_out output rows need (a draft model's truncated
     vocabulary): its rows or 8-row groups, and for the dense types whole tinyBLAS tiles."""
@@ -169,6 +176,8 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     out = np.empty((M, traits.layout_rows(w)), np.float32)
     if ggml_type in DENSE_TYPES:
         _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
+    elif ggml_type == T.Q6_K and _wide_q6_k(w.shape[0], *_run_arrays(runs, M)):
+        q6_k_prompt(w, *rows.rows16(), M, out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_K:
@@ -182,8 +191,7 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     elif ggml_type == T.Q4_K:
         _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
-        xb, dxb = rows.biased_groups()
-        _q5_0_prompt(w, xb, dxb, M, out)
+        q5_0_prompt(w, *rows.biased_groups(), M, out)
     else:
         _q0_x8_rows(ggml_type, w, rows.xq, rows.dx, rows.sx, rows.s1, out)
     return out if out.shape[1] == n_out else out[:, :n_out]
@@ -238,6 +246,9 @@ def matmul_row(layout, ggml_type, q, runs, out):
     run_start, run_len, run_batched = runs
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
+    elif ggml_type == T.Q6_K and _wide_q6_k(layout.shape[0], run_start, run_len, run_batched):
+        x16, dx16 = q6_k_rows16(q.xq, q.dxk)
+        q6_k_prompt(layout, x16, dx16, q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:
@@ -251,11 +262,7 @@ def matmul_row(layout, ggml_type, q, runs, out):
     elif ggml_type == T.Q4_K:
         _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_0 and q.xq.shape[0] >= Q5_0_PANEL_MIN_ROWS:
-        M, K = q.xq.shape
-        nbp = -(-(K // 32) // NB_PAD) * NB_PAD
-        xb = np.empty((-(-M // PANEL_MR), K // 32, PANEL_MR, 32), np.uint8)
-        dxb = np.empty((xb.shape[0], PANEL_MR, nbp), np.float32)
-        _bias_groups(q.xq, q.dx0, PANEL_MR, xb, dxb)
-        _q5_0_prompt(layout, xb, dxb, M, out)
+        xb, dxb = q5_0_prompt_operands(q.xq, q.dx0)
+        q5_0_prompt(layout, xb, dxb, q.xq.shape[0], out)
     else:
         _q0_x8_rows(ggml_type, layout, q.xq, q.dx0, q.sx, q.s1, out)

@@ -2,6 +2,7 @@
 fewer than 8 rows, the tiled kernel's for more, bit for bit."""
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -9,8 +10,8 @@ from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
-    load_as, madd16, dot4_scaled, splat, vconst, vload,
+    REGISTERS, V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
+    load_as, madd16, dot4_scaled, splat, vconst, vload, vstore,
 )
 
 # --- Q6_K ---------------------------------------------------------------------------------------
@@ -171,3 +172,217 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
                     else:
                         q6_k_vec_dot_1(w, row, xq, dx, bs16, m, out)
                     m += min(8, left)
+
+
+# --- Q6_K prompts on 512-bit registers: 16 activation rows in the lanes ---------------------------
+# The tiled arithmetic needs only one exact integer per (output, super-block), S = sum_k w_k x_k with
+# w_k = (q_k - 32) * sc (|w| <= 4096, an int16) and |S| <= 256 * 4096 * 128 < 2^31. So a panel of
+# weight rows is unpacked once into those int16 products (q6_k_unpack16), the activations are
+# regrouped 16 rows to a register (int16 pairs, k6_rows16), and one vpdpwssd takes a pair of w of
+# one weight row (broadcast) against the same pair of 16 rows: S for 16 outputs with no scale
+# multiplies and no -32 correction. Then per super-block res = d_w * float(S) and out = fma(res,
+# d_x, out) lane-wise: the tiled kernel's float steps, bit for bit.
+V32S, V16I, V16F = ir.VectorType(ir.IntType(16), 32), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+WIDE_PROMPT = REGISTERS == 32
+Q6K_NW = 8                  # weight rows per tile (each with one accumulator per 16 activation rows)
+Q6K_PANEL_BYTES = 512 << 10  # the unpacked panel (rows x K int16) stays in L2 beside the activations
+# From this many activation rows on, a batched Q6_K run takes the 16-row kernel (at 8 rows the two
+# kernels are even; README: measured).
+Q6K_PROMPT_MIN_ROWS = 16
+
+
+@intrinsic
+def q6_k_unpack16(typingctx, w, r0, n_rows, wp, dwp):
+    """Weight rows r0 .. r0+n_rows-1 (GGUF Q6_K) -> wp (P, K) int16 (q - 32) * scale, dwp (P, nb) float32 d."""
+    sig = types.void(w, r0, n_rows, wp, dwp)
+
+    def codegen(context, builder, signature, args):
+        wa, _, _, pa, da = (array(context, builder, signature.args[k], args[k]) if k not in (1, 2) else None for k in range(5))
+        r0v, nr = args[1], args[2]
+        nb = builder.extract_value(da.shape, 1)
+        K = builder.extract_value(pa.shape, 1)
+        m15, m3 = vconst(V32B, 15), vconst(V32B, 3)
+        with cgutils.for_range(builder, nr) as rl:
+            r = rl.index
+            src = builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(r0v, r), builder.extract_value(wa.strides, 0))])
+            dst = builder.gep(byte_ptr(builder, pa.data), [builder.mul(r, builder.mul(K, c64(2)))])
+            with cgutils.for_range(builder, nb) as bl:
+                b = bl.index
+                p = builder.gep(src, [builder.mul(b, c64(Q6_K_BLOCK))])
+                sc16 = builder.sext(vload(builder, builder.gep(p, [c64(192)]), V16B), V16S)
+                builder.store(builder.fpext(load_as(builder, p, f16, 208), f32),
+                              builder.gep(da.data, [builder.add(builder.mul(r, nb), b)]))
+                for j in range(2):
+                    q1 = vload(builder, builder.gep(p, [c64(64 * j)]), V32B)
+                    q2 = vload(builder, builder.gep(p, [c64(64 * j + 32)]), V32B)
+                    qh = vload(builder, builder.gep(p, [c64(128 + 32 * j)]), V32B)
+                    shr = lambda v, k: builder.lshr(v, vconst(V32B, k))       # noqa: E731
+                    shl = lambda v, k: builder.shl(v, vconst(V32B, k))        # noqa: E731
+                    qv = [builder.or_(builder.and_(q1, m15), shl(builder.and_(qh, m3), 4)),
+                          builder.or_(builder.and_(q2, m15), shl(builder.and_(shr(qh, 2), m3), 4)),
+                          builder.or_(shr(q1, 4), shl(builder.and_(shr(qh, 4), m3), 4)),
+                          builder.or_(shr(q2, 4), shl(shr(qh, 6), 4))]
+                    for k in range(4):
+                        s = 4 * j + k                                             # elements 32s .. 32s+31
+                        scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 32), [2 * s] * 16 + [2 * s + 1] * 16))
+                        wv = builder.mul(builder.sub(builder.zext(qv[k], V32S), vconst(V32S, 32)), scv)
+                        off = builder.mul(builder.add(builder.mul(b, c64(256)), c64(32 * s)), c64(2))
+                        vstore(builder, wv, builder.gep(dst, [off]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _vpdpwssd(builder, acc, a, b):
+    """acc + vpdpwssd(a, b) (V16I) as inline assembly: LLVM's machine combiner splits the intrinsic
+    into vpmaddwd + vpaddd to shorten the accumulator's dependency chain, twice the instructions on
+    a loop whose chains are many and independent."""
+    fty = ir.FunctionType(V16I, [V16I, V16I, V16I])
+    return builder.asm(fty, "vpdpwssd $2, $1, $0", "=v,v,v,0", [a, b, acc], side_effect=False)
+
+
+def _q6_k_tile16(NW: int, MX: int):
+    """kern(wp, dwp, j0, x16, dx16, g, out, n0, M): out[16(g+x) + l, n0+j0+j] for j < NW, x < MX and
+    the 16 lanes l (rows below M). wp (P, K) int16 and dwp (P, nb) from q6_k_unpack16; x16 (G, K/2,
+    16, 2) int16 and dx16 (G, nb, 16) float32 from q6_k_rows16."""
+
+    def kern(typingctx, wp, dwp, j0, x16, dx16, g, out, n0, M):
+        sig = types.void(wp, dwp, j0, x16, dx16, g, out, n0, M)
+
+        def codegen(context, builder, signature, args):
+            wa, da, _, xa, dxa, _, oa = (array(context, builder, signature.args[k], args[k]) if k not in (2, 5) else None
+                                         for k in range(7))
+            j0v, gv, n0v, Mv = args[2], args[5], args[7], args[8]
+            K = builder.extract_value(wa.shape, 1)
+            nb = builder.extract_value(da.shape, 1)
+            N = builder.extract_value(oa.shape, 1)
+            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(j0v, c64(j)), builder.mul(K, c64(2)))])
+                    for j in range(NW)]
+            drow = [builder.gep(da.data, [builder.mul(builder.add(j0v, c64(j)), nb)]) for j in range(NW)]
+            xg = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(gv, c64(x)), builder.mul(K, c64(32)))])
+                  for x in range(MX)]
+            dxg = [builder.gep(dxa.data, [builder.mul(builder.add(gv, c64(x)), builder.mul(nb, c64(16)))]) for x in range(MX)]
+            zero_i = ir.Constant(V16I, [0] * 16)
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MX)] for _ in range(NW)]
+            S = [[cgutils.alloca_once(builder, V16I) for _ in range(MX)] for _ in range(NW)]
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                for j in range(NW):
+                    for x in range(MX):
+                        builder.store(zero_i, S[j][x])
+                with cgutils.for_range_slice(builder, c64(0), c64(256), c64(8)) as (k, _):   # 4 pairs per step
+                    e = builder.add(builder.mul(b, c64(256)), k)                 # element index
+                    for u in range(4):
+                        ek = builder.add(e, c64(2 * u))
+                        xs = [vload(builder, builder.gep(xg[x], [builder.mul(ek, c64(32))]), V16I) for x in range(MX)]
+                        for j in range(NW):
+                            wd = splat(builder, load_as(builder, wrow[j], i32, builder.mul(ek, c64(2))), V16I)
+                            for x in range(MX):
+                                builder.store(_vpdpwssd(builder, builder.load(S[j][x]), xs[x], wd), S[j][x])
+                for x in range(MX):
+                    dxv = vload(builder, builder.gep(dxg[x], [builder.mul(b, c64(16))]), V16F)
+                    for j in range(NW):
+                        dw = splat(builder, builder.load(builder.gep(drow[j], [b])), V16F)
+                        res = builder.fmul(dw, builder.sitofp(builder.load(S[j][x]), V16F))
+                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [res, dxv, builder.load(acc[j][x])]), acc[j][x])
+            for x in range(MX):
+                for j in range(NW):
+                    a = builder.load(acc[j][x])
+                    col = builder.add(n0v, builder.add(j0v, c64(j)))
+                    for lane in range(16):
+                        row = builder.add(builder.mul(builder.add(gv, c64(x)), c64(16)), c64(lane))
+                        with builder.if_then(builder.icmp_signed("<", row, Mv)):
+                            idx = builder.add(builder.mul(row, N), col)
+                            builder.store(builder.extract_element(a, c32(lane)), builder.gep(oa.data, [idx]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"q6_k_tile16_{NW}x{MX}"
+    return intrinsic(kern)
+
+
+@intrinsic
+def _regroup16(typingctx, xq, g, x16):
+    """Rows 16g .. 16g+15 of xq (M, K) int8 (those below M) -> x16[g] (K/2, 16, 2) int16: each row's
+    32-byte chunks sign-extended to int16 and their 16 pairs stored 64 bytes apart."""
+    sig = types.void(xq, g, x16)
+
+    def codegen(context, builder, signature, args):
+        xa, _, ya = (array(context, builder, signature.args[k], args[k]) if k != 1 else None for k in range(3))
+        gv = args[1]
+        M = builder.extract_value(xa.shape, 0)
+        K = builder.extract_value(xa.shape, 1)
+        base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(K, c64(32)))])
+        n = builder.sub(M, builder.mul(gv, c64(16)))
+        n = builder.select(builder.icmp_signed("<", n, c64(16)), n, c64(16))
+        with cgutils.for_range_slice(builder, c64(0), K, c64(32)) as (k, _):     # a 1 KB block of x16 at a time
+            with cgutils.for_range(builder, n) as rl:
+                r = rl.index
+                src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(16)), r), K)])
+                dst = builder.gep(base, [builder.mul(r, c64(4))])
+                v = builder.bitcast(builder.sext(vload(builder, builder.gep(src, [k]), V32B), V32S), V16I)
+                for e in range(16):                                    # pair k/2 + e -> 64 (k/2 + e) + 4r
+                    at = builder.mul(builder.add(builder.sdiv(k, c64(2)), c64(e)), c64(64))
+                    builder.store(builder.extract_element(v, c32(e)),
+                                  builder.bitcast(builder.gep(dst, [at]), i32.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def q6_k_rows16(xq, dx):
+    """q8_K rows (M, K), dx (M, nb) -> x16 (G, K/2, 16, 2) int16 (rows 16g .. 16g+15 in the lanes, zero
+    padding), dx16 (G, nb, 16) float32."""
+    M, K = xq.shape
+    nb = dx.shape[1]
+    G = -(-M // 16)
+    x16 = np.empty((G, K // 2, 16, 2), np.int16)
+    dx16 = np.zeros((G, nb, 16), np.float32)
+    for g in prange(G):
+        if M - 16 * g < 16:
+            x16[g] = 0
+        _regroup16(xq, g, x16)
+        for r in range(min(16, M - 16 * g)):
+            for b in range(nb):
+                dx16[g, b, r] = dx[16 * g + r, b]
+    return x16, dx16
+
+
+if WIDE_PROMPT:
+    q6_k_tile16_2, q6_k_tile16_1 = _q6_k_tile16(Q6K_NW, 2), _q6_k_tile16(Q6K_NW, 1)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _q6_k_prompt(w, x16, dx16, M, out):
+    """Q6_K rows (N % Q6K_NW == 0) x regrouped q8_K rows -> out (M, N) with the tiled arithmetic; prange
+    over panels of weight rows, each unpacked once for every group of 16 activation rows."""
+    N = w.shape[0]
+    K = x16.shape[1] * 2
+    nb = dx16.shape[1]
+    G = x16.shape[0]
+    P = max(Q6K_NW, min(64, Q6K_PANEL_BYTES // (2 * K)) // Q6K_NW * Q6K_NW)
+    for p in prange(-(-N // P)):
+        r0 = p * P
+        nr = min(P, N - r0)
+        wp = np.empty((P, K), np.int16)
+        dwp = np.empty((P, nb), np.float32)
+        q6_k_unpack16(w, r0, nr, wp, dwp)
+        g = 0
+        while g + 2 <= G:
+            for j0 in range(0, nr, Q6K_NW):
+                q6_k_tile16_2(wp, dwp, j0, x16, dx16, g, out, r0, M)
+            g += 2
+        if g < G:
+            for j0 in range(0, nr, Q6K_NW):
+                q6_k_tile16_1(wp, dwp, j0, x16, dx16, g, out, r0, M)
+
+
+@njit(cache=True)
+def _no_wide_kernel(w, x16, dx16, M, out):
+    raise RuntimeError("the 16-row Q6_K kernel needs AVX-512 (qdot._wide_q6_k never picks it here)")
+
+
+# The 512-bit kernel is compiled only where it runs; elsewhere the dispatch never calls it.
+q6_k_prompt = _q6_k_prompt if WIDE_PROMPT else _no_wide_kernel
