@@ -47,12 +47,13 @@ from kernels.cpu.qdot.act import (_quantize_q8_0, _quantize_q8_0_serial, _quanti
                                   round_activation)
 from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
 from kernels.cpu.qdot.q0 import _q0_x8_rows, q5_0_prompt, q5_0_prompt_operands, repack_q0_x8
-from kernels.cpu.qdot.q4_k import _q4_k_rows, repack_q4_k_x8
+from kernels.cpu.qdot.q4_k import _q4_k_rows, q4_k_prompt, repack_q4_k_x8, wide_gemm_rows
 from kernels.cpu.qdot.iq4_xs import _iq4_xs_rows
 from kernels.cpu.qdot.q2_k import _q2_k_rows
 from kernels.cpu.qdot.q3_k import _q3_k_rows
 from kernels.cpu.qdot.q5_k import _q5_k_rows
-from kernels.cpu.qdot.q6_k import Q6K_NW, Q6K_PROMPT_MIN_ROWS, WIDE_PROMPT, _q6_k_rows, q6_k_prompt, q6_k_rows16
+from kernels.cpu.qdot.q6_k import Q6K_NW, Q6K_PROMPT_MIN_ROWS, WIDE_PROMPT, _q6_k_rows, q6_k_prompt
+from kernels.cpu.qdot import rows16
 from kernels.cpu.simd import HAS_AVX2
 from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS
 
@@ -80,11 +81,22 @@ class Int8Rows:
     def n_rows(self) -> int:
         return (self.xf if self.kind >= ACT_F32 else self.xq).shape[0]
 
-    def rows16(self):
-        """(x16, dx16) for the Q6_K 16-row kernel (q6_k.q6_k_rows16)."""
-        if "rows16" not in self._derived:
-            self._derived["rows16"] = q6_k_rows16(self.xq, self.dx)
-        return self._derived["rows16"]
+    def grouped16(self, widen: bool, n: int | None = None):
+        """The first n (default all) q8_K rows 16 to a register (kernels.cpu.qdot.rows16): int16
+        pairs (widen) or bytes."""
+        n = self.n_rows if n is None else n
+        key = ("rows16", widen, n)
+        if key not in self._derived:
+            self._derived[key] = rows16.regroup_pairs(self.xq[:n]) if widen else rows16.regroup_bytes(self.xq[:n])
+        return self._derived[key]
+
+    def lanes16(self, name: str, n: int | None = None):
+        """A per-row array (dx, bsp) of the first n rows with 16 rows in the lanes (rows16.lanes)."""
+        n = self.n_rows if n is None else n
+        key = ("lanes16", name, n)
+        if key not in self._derived:
+            self._derived[key] = rows16.lanes(getattr(self, name)[:n])
+        return self._derived[key]
 
     def biased_groups(self):
         """The activation operands of the Q5_0 panel kernel (q0.q5_0_prompt_operands)."""
@@ -177,7 +189,7 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     if ggml_type in DENSE_TYPES:
         _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
     elif ggml_type == T.Q6_K and _wide_q6_k(w.shape[0], *_run_arrays(runs, M)):
-        q6_k_prompt(w, *rows.rows16(), M, out)
+        q6_k_prompt(w, rows.grouped16(True), rows.lanes16("dx"), M, out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_K:
@@ -189,7 +201,13 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     elif ggml_type == T.IQ4_XS:
         _iq4_xs_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q4_K:
-        _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
+        runs = _run_arrays(runs, M)
+        n = wide_gemm_rows(*runs)
+        if n:                          # the gemm rows on the 16-row kernel, the rest with the gemv arithmetic
+            q4_k_prompt(w, rows.grouped16(False, n), rows.lanes16("bsp", n), rows.lanes16("dx", n), n, out)
+            runs = run_arrays([(n, M - n, False)]) if n < M else None
+        if runs is not None:
+            _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *runs, out)
     elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
         q5_0_prompt(w, *rows.biased_groups(), M, out)
     else:
@@ -247,8 +265,7 @@ def matmul_row(layout, ggml_type, q, runs, out):
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
     elif ggml_type == T.Q6_K and _wide_q6_k(layout.shape[0], run_start, run_len, run_batched):
-        x16, dx16 = q6_k_rows16(q.xq, q.dxk)
-        q6_k_prompt(layout, x16, dx16, q.xq.shape[0], out)
+        q6_k_prompt(layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:
@@ -260,7 +277,14 @@ def matmul_row(layout, ggml_type, q, runs, out):
     elif ggml_type == T.IQ4_XS:
         _iq4_xs_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q4_K:
-        _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
+        n = wide_gemm_rows(run_start, run_len, run_batched)
+        if n:                          # the gemm rows on the 16-row kernel, the rest with the gemv arithmetic
+            M = q.xq.shape[0]
+            q4_k_prompt(layout, rows16.regroup_bytes(q.xq[:n]), rows16.lanes(q.bsp[:n]), rows16.lanes(q.dxk[:n]), n, out)
+            if n < M:
+                _q4_k_rows(layout, q.xq, q.dxk, q.bsp, np.array([n]), np.array([M - n]), np.array([False]), out)
+        else:
+            _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_0 and q.xq.shape[0] >= Q5_0_PANEL_MIN_ROWS:
         xb, dxb = q5_0_prompt_operands(q.xq, q.dx0)
         q5_0_prompt(layout, xb, dxb, q.xq.shape[0], out)

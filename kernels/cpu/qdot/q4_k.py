@@ -9,8 +9,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
+from kernels.cpu.qdot.rows16 import V16F, V16I, V32S, store_lanes
 from kernels.cpu.simd import (
-    REGISTERS, VNNI, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, byte_ptr, c64, dot4, fma, i32, load_as,
+    REGISTERS, VNNI, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, byte_ptr, c64, call, dot4, f32, fma, i32, load_as,
     madd16, maddubs, splat, vconst, vload, vstore,
 )
 
@@ -194,3 +195,184 @@ def _q4_k_rows(wx8, xq, dx, bsp, run_start, run_len, run_batched, out):
                     m += 2
                 if m < c1:
                     q4_k_gemv_1(wx8, g, xq, dx, bsp, m, out)
+
+
+# --- Q4_K prompts on 512-bit registers: 16 activation rows in the lanes ---------------------------
+# llama.cpp's gemm arithmetic is per output and per 64-element chunk: the exact integers
+# isum = sc_2c dot_2c + sc_2c+1 dot_2c+1 and msum = mn_2c bsum_2c + mn_2c+1 bsum_2c+1, then
+# acc = fma(float(isum), d_w*d_x, acc), accm = fma(float(msum), dmin_w*d_x, accm), out = acc - accm.
+# Nothing ties the lanes to weight rows, so here they hold 16 activation rows (rows16.regroup_bytes):
+# a panel of weight groups has its nibbles unpacked once (q4_k_unpack16, in the x8 order), and one
+# vpdpbusd takes a broadcast dword of one weight row against the same dword of 16 rows; each
+# sub-block's dot times its scale (vpmulld), the minimums' sums one vpmaddwd, all lane-wise.
+WIDE_PROMPT = REGISTERS == 32
+Q4K_NW = 8                       # weight rows per tile (one 8-row group), times Q4K_MX groups of 16 rows
+Q4K_MX = 1
+Q4K_PANEL_BYTES = 512 << 10      # the unpacked panel stays in L2 beside the activations
+# From this many gemm rows on, a batched run takes the 16-row kernel (at 16 the two kernels are
+# even; README: measured).
+Q4K_PROMPT_MIN_ROWS = 32
+# per 8-row group and super-block: nibbles [half 2][c 4][step 8][row 8][4], then the scales as float32
+# [c][row][2], the minimums as int16 pairs [c][row][2], d [row] and dmin [row] as float32
+_U_SC, _U_MN, _U_D, _U_DMIN = 2048, 2048 + 256, 2048 + 256 + 128, 2048 + 256 + 128 + 32
+Q4K_U_BYTES = _U_DMIN + 32
+
+
+@intrinsic
+def q4_k_unpack16(typingctx, wx8, g0, n_groups, wu):
+    """Groups g0 .. g0+n_groups-1 of a Q4_K x8 matrix -> wu (n, nb, Q4K_U_BYTES) uint8, the layout above."""
+    sig = types.void(wx8, g0, n_groups, wu)
+
+    def codegen(context, builder, signature, args):
+        wa, _, _, ua = (array(context, builder, signature.args[k], args[k]) if k in (0, 3) else None for k in range(4))
+        g0v, ng = args[1], args[2]
+        nb = builder.extract_value(ua.shape, 1)
+        m0f = vconst(V32B, 0x0F)
+        with cgutils.for_range(builder, ng) as gl:
+            src = builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(g0v, gl.index), builder.mul(nb, c64(Q4K_X8_BYTES)))])
+            dst = builder.gep(byte_ptr(builder, ua.data), [builder.mul(gl.index, builder.mul(nb, c64(Q4K_U_BYTES)))])
+            with cgutils.for_range(builder, nb) as bl:
+                p = builder.gep(src, [builder.mul(bl.index, c64(Q4K_X8_BYTES))])
+                u = builder.gep(dst, [builder.mul(bl.index, c64(Q4K_U_BYTES))])
+                for off in range(0, 1024, 32):
+                    v = vload(builder, builder.gep(p, [c64(off)]), V32B)
+                    vstore(builder, builder.and_(v, m0f), builder.gep(u, [c64(off)]))
+                    vstore(builder, builder.and_(builder.lshr(v, vconst(V32B, 4)), m0f), builder.gep(u, [c64(1024 + off)]))
+                sc = builder.uitofp(vload(builder, builder.gep(p, [c64(1024)]), ir.VectorType(ir.IntType(8), 64)), ir.VectorType(f32, 64))
+                vstore(builder, sc, builder.gep(u, [c64(_U_SC)]))
+                mn = builder.zext(vload(builder, builder.gep(p, [c64(1088)]), ir.VectorType(ir.IntType(8), 64)), ir.VectorType(ir.IntType(16), 64))
+                vstore(builder, mn, builder.gep(u, [c64(_U_MN)]))
+                vstore(builder, builder.fpext(vload(builder, builder.gep(p, [c64(1152)]), V8H), V8F), builder.gep(u, [c64(_U_D)]))
+                vstore(builder, builder.fpext(vload(builder, builder.gep(p, [c64(1168)]), V8H), V8F), builder.gep(u, [c64(_U_DMIN)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _q4_k_tile16(NW: int, MX: int):
+    """kern(wu, gw, j0, xg, bsg, dxg, gx, out, n0, M): out[16(gx+x) + l, n0 + 8gw + j0 + j] for j < NW,
+    x < MX and the 16 lanes l (rows below M), with the gemm arithmetic. wu: q4_k_unpack16's panel;
+    xg (G, K/4, 16, 4) int8, bsg (G, nb*4, 16) int32 (bsp's int16 pairs), dxg (G, nb, 16) float32."""
+
+    def kern(typingctx, wu, gw, j0, xg, bsg, dxg, gx, out, n0, M):
+        sig = types.void(wu, gw, j0, xg, bsg, dxg, gx, out, n0, M)
+
+        def codegen(context, builder, signature, args):
+            ua, _, _, xa, ba, da, _, oa = (array(context, builder, signature.args[k], args[k]) if k not in (1, 2, 6) else None
+                                           for k in range(8))
+            gwv, j0v, gxv, n0v, Mv = args[1], args[2], args[6], args[8], args[9]
+            nb = builder.extract_value(ua.shape, 1)
+            K = builder.mul(nb, c64(256))
+            N = builder.extract_value(oa.shape, 1)
+            wbase = builder.gep(byte_ptr(builder, ua.data), [builder.mul(gwv, builder.mul(nb, c64(Q4K_U_BYTES)))])
+            xgs = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(gxv, c64(x)), builder.mul(K, c64(16)))]) for x in range(MX)]
+            bgs = [builder.gep(byte_ptr(builder, ba.data), [builder.mul(builder.add(gxv, c64(x)), builder.mul(nb, c64(256)))]) for x in range(MX)]
+            dgs = [builder.gep(byte_ptr(builder, da.data), [builder.mul(builder.add(gxv, c64(x)), builder.mul(nb, c64(64)))]) for x in range(MX)]
+            zf = ir.Constant(V16F, [0.0] * 16)
+            acc = [[cgutils.alloca_once_value(builder, zf) for _ in range(MX)] for _ in range(NW)]
+            accm = [[cgutils.alloca_once_value(builder, zf) for _ in range(MX)] for _ in range(NW)]
+            scale = [[cgutils.alloca_once(builder, V16F) for _ in range(MX)] for _ in range(NW)]
+            scale_m = [[cgutils.alloca_once(builder, V16F) for _ in range(MX)] for _ in range(NW)]
+            zi = ir.Constant(V16I, [0] * 16)
+            row = [builder.add(j0v, c64(j)) for j in range(NW)]          # rows of the 8-row group
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                u = builder.gep(wbase, [builder.mul(b, c64(Q4K_U_BYTES))])
+                for x in range(MX):
+                    dxv = vload(builder, builder.gep(dgs[x], [builder.mul(b, c64(64))]), V16F)
+                    for j in range(NW):
+                        dw = splat(builder, load_as(builder, u, f32, builder.add(c64(_U_D), builder.mul(row[j], c64(4)))), V16F)
+                        dm = splat(builder, load_as(builder, u, f32, builder.add(c64(_U_DMIN), builder.mul(row[j], c64(4)))), V16F)
+                        builder.store(builder.fmul(dw, dxv), scale[j][x])           # fp32(d_w * d_x)
+                        builder.store(builder.fmul(dm, dxv), scale_m[j][x])
+                with cgutils.for_range(builder, c64(4)) as cloop:                # 64-element chunks
+                    c = cloop.index
+                    dots = [[[zi, zi] for _ in range(MX)] for _ in range(NW)]      # [j][x][lo/hi]
+                    for step in range(8):
+                        xs = [[vload(builder, builder.gep(xgs[x], [builder.add(builder.mul(builder.add(builder.mul(b, c64(64)), builder.add(builder.mul(c, c64(16)), c64(8 * h + step))), c64(64)), c64(0))]), V16I)
+                               for h in range(2)] for x in range(MX)]
+                        for j in range(NW):
+                            for h in range(2):
+                                at = builder.add(builder.add(c64(1024 * h + 32 * step), builder.mul(c, c64(256))), builder.mul(row[j], c64(4)))
+                                wd = builder.bitcast(splat(builder, load_as(builder, u, i32, at), V16I), ir.VectorType(ir.IntType(8), 64))
+                                for x in range(MX):
+                                    dots[j][x][h] = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I,
+                                                         [dots[j][x][h], builder.bitcast(wd, V16I), xs[x][h]])
+                    for j in range(NW):
+                        sc_at = builder.add(builder.add(c64(_U_SC), builder.mul(c, c64(64))), builder.mul(row[j], c64(8)))
+                        sc_lo = splat(builder, load_as(builder, u, f32, sc_at), V16F)
+                        sc_hi = splat(builder, load_as(builder, u, f32, builder.add(sc_at, c64(4))), V16F)
+                        mn_at = builder.add(builder.add(c64(_U_MN), builder.mul(c, c64(32))), builder.mul(row[j], c64(4)))
+                        mn = builder.bitcast(splat(builder, load_as(builder, u, i32, mn_at), V16I), V32S)
+                        for x in range(MX):
+                            # float(isum) exactly: |dot| <= 32*15*128, sc <= 63, |isum| < 2^23
+                            isum = call(builder, "llvm.fma.v16f32", V16F, [builder.sitofp(dots[j][x][1], V16F), sc_hi,
+                                                                           builder.fmul(builder.sitofp(dots[j][x][0], V16F), sc_lo)])
+                            bs = builder.bitcast(vload(builder, builder.gep(bgs[x], [builder.mul(builder.add(builder.mul(b, c64(4)), c), c64(64))]), V16I), V32S)
+                            msum = call(builder, "llvm.x86.avx512.pmaddw.d.512", V16I, [mn, bs])
+                            a = call(builder, "llvm.fma.v16f32", V16F, [isum, builder.load(scale[j][x]), builder.load(acc[j][x])])
+                            builder.store(a, acc[j][x])
+                            am = call(builder, "llvm.fma.v16f32", V16F, [builder.sitofp(msum, V16F), builder.load(scale_m[j][x]), builder.load(accm[j][x])])
+                            builder.store(am, accm[j][x])
+            for x in range(MX):
+                for j in range(NW):
+                    res = builder.fsub(builder.load(acc[j][x]), builder.load(accm[j][x]))
+                    store_lanes(builder, res, oa.data, N, Mv, builder.add(gxv, c64(x)),
+                                builder.add(n0v, builder.add(builder.mul(gwv, c64(8)), row[j])))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"q4_k_tile16_{NW}x{MX}"
+    return intrinsic(kern)
+
+
+if WIDE_PROMPT:
+    q4_k_tile16_wide, q4_k_tile16_1 = _q4_k_tile16(Q4K_NW, Q4K_MX), _q4_k_tile16(Q4K_NW, 1)
+
+
+@njit(cache=True)
+def wide_gemm_rows(run_start, run_len, run_batched):
+    """The rows of a Q4_K product the 16-row kernel takes: for one batched run (a prompt) the rows
+    llama.cpp's gemm takes, n - n % 4, when there are Q4K_PROMPT_MIN_ROWS of them on 512-bit
+    registers; else 0 (the rows go to _q4_k_rows)."""
+    if not WIDE_PROMPT or run_start.shape[0] != 1 or not run_batched[0]:
+        return 0
+    n = run_len[0] - run_len[0] % 4
+    return n if n >= Q4K_PROMPT_MIN_ROWS else 0
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _q4_k_prompt(wx8, xg, bsg, dxg, M, out):
+    """Q4_K (x8 layout) x rows16-regrouped q8_K rows -> out (M, N), every row with the gemm arithmetic
+    (the caller gives it the rows llama.cpp's gemm takes); prange over panels of 8-row groups, each
+    unpacked once for every group of 16 activation rows."""
+    n_groups = wx8.shape[0]
+    nb = dxg.shape[1]
+    G = xg.shape[0]
+    PG = max(1, min(8, Q4K_PANEL_BYTES // (nb * Q4K_U_BYTES)))
+    for p in prange(-(-n_groups // PG)):
+        g0 = p * PG
+        ng = min(PG, n_groups - g0)
+        wu = np.empty((PG, nb, Q4K_U_BYTES), np.uint8)
+        q4_k_unpack16(wx8, g0, ng, wu)
+        gx = 0
+        while gx + Q4K_MX <= G:
+            for gw in range(ng):
+                for j0 in range(0, 8, Q4K_NW):
+                    q4_k_tile16_wide(wu, gw, j0, xg, bsg, dxg, gx, out, g0 * 8, M)
+            gx += Q4K_MX
+        while gx < G:
+            for gw in range(ng):
+                for j0 in range(0, 8, Q4K_NW):
+                    q4_k_tile16_1(wu, gw, j0, xg, bsg, dxg, gx, out, g0 * 8, M)
+            gx += 1
+
+
+@njit(cache=True)
+def _no_wide_kernel(wx8, xg, bsg, dxg, M, out):
+    raise RuntimeError("the 16-row Q4_K kernel needs AVX-512 (qdot never picks it here)")
+
+
+# The 512-bit kernel is compiled only where it runs; elsewhere the dispatch never calls it.
+q4_k_prompt = _q4_k_prompt if WIDE_PROMPT else _no_wide_kernel

@@ -9,6 +9,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
+from kernels.cpu.qdot.rows16 import V16F, V16I, store_lanes, vpdpwssd
 from kernels.cpu.simd import (
     REGISTERS, V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
     load_as, madd16, dot4_scaled, splat, vconst, vload, vstore,
@@ -178,11 +179,11 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
 # The tiled arithmetic needs only one exact integer per (output, super-block), S = sum_k w_k x_k with
 # w_k = (q_k - 32) * sc (|w| <= 4096, an int16) and |S| <= 256 * 4096 * 128 < 2^31. So a panel of
 # weight rows is unpacked once into those int16 products (q6_k_unpack16), the activations are
-# regrouped 16 rows to a register (int16 pairs, k6_rows16), and one vpdpwssd takes a pair of w of
+# regrouped 16 rows to a register (int16 pairs, rows16.regroup_pairs), and one vpdpwssd takes a pair of w of
 # one weight row (broadcast) against the same pair of 16 rows: S for 16 outputs with no scale
 # multiplies and no -32 correction. Then per super-block res = d_w * float(S) and out = fma(res,
 # d_x, out) lane-wise: the tiled kernel's float steps, bit for bit.
-V32S, V16I, V16F = ir.VectorType(ir.IntType(16), 32), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+V32S = ir.VectorType(ir.IntType(16), 32)
 WIDE_PROMPT = REGISTERS == 32
 Q6K_NW = 8                  # weight rows per tile (each with one accumulator per 16 activation rows)
 Q6K_PANEL_BYTES = 512 << 10  # the unpacked panel (rows x K int16) stays in L2 beside the activations
@@ -233,18 +234,10 @@ def q6_k_unpack16(typingctx, w, r0, n_rows, wp, dwp):
     return sig, codegen
 
 
-def _vpdpwssd(builder, acc, a, b):
-    """acc + vpdpwssd(a, b) (V16I) as inline assembly: LLVM's machine combiner splits the intrinsic
-    into vpmaddwd + vpaddd to shorten the accumulator's dependency chain, twice the instructions on
-    a loop whose chains are many and independent."""
-    fty = ir.FunctionType(V16I, [V16I, V16I, V16I])
-    return builder.asm(fty, "vpdpwssd $2, $1, $0", "=v,v,v,0", [a, b, acc], side_effect=False)
-
-
 def _q6_k_tile16(NW: int, MX: int):
     """kern(wp, dwp, j0, x16, dx16, g, out, n0, M): out[16(g+x) + l, n0+j0+j] for j < NW, x < MX and
     the 16 lanes l (rows below M). wp (P, K) int16 and dwp (P, nb) from q6_k_unpack16; x16 (G, K/2,
-    16, 2) int16 and dx16 (G, nb, 16) float32 from q6_k_rows16."""
+    16, 2) int16 and dx16 (G, nb, 16) float32 from rows16 (regroup_pairs(xq), lanes(dx))."""
 
     def kern(typingctx, wp, dwp, j0, x16, dx16, g, out, n0, M):
         sig = types.void(wp, dwp, j0, x16, dx16, g, out, n0, M)
@@ -278,7 +271,7 @@ def _q6_k_tile16(NW: int, MX: int):
                         for j in range(NW):
                             wd = splat(builder, load_as(builder, wrow[j], i32, builder.mul(ek, c64(2))), V16I)
                             for x in range(MX):
-                                builder.store(_vpdpwssd(builder, builder.load(S[j][x]), xs[x], wd), S[j][x])
+                                builder.store(vpdpwssd(builder, builder.load(S[j][x]), xs[x], wd), S[j][x])
                 for x in range(MX):
                     dxv = vload(builder, builder.gep(dxg[x], [builder.mul(b, c64(16))]), V16F)
                     for j in range(NW):
@@ -287,67 +280,14 @@ def _q6_k_tile16(NW: int, MX: int):
                         builder.store(call(builder, "llvm.fma.v16f32", V16F, [res, dxv, builder.load(acc[j][x])]), acc[j][x])
             for x in range(MX):
                 for j in range(NW):
-                    a = builder.load(acc[j][x])
-                    col = builder.add(n0v, builder.add(j0v, c64(j)))
-                    for lane in range(16):
-                        row = builder.add(builder.mul(builder.add(gv, c64(x)), c64(16)), c64(lane))
-                        with builder.if_then(builder.icmp_signed("<", row, Mv)):
-                            idx = builder.add(builder.mul(row, N), col)
-                            builder.store(builder.extract_element(a, c32(lane)), builder.gep(oa.data, [idx]))
+                    store_lanes(builder, builder.load(acc[j][x]), oa.data, N, Mv, builder.add(gv, c64(x)),
+                                builder.add(n0v, builder.add(j0v, c64(j))))
             return context.get_dummy_value()
 
         return sig, codegen
 
     kern.__name__ = f"q6_k_tile16_{NW}x{MX}"
     return intrinsic(kern)
-
-
-@intrinsic
-def _regroup16(typingctx, xq, g, x16):
-    """Rows 16g .. 16g+15 of xq (M, K) int8 (those below M) -> x16[g] (K/2, 16, 2) int16: each row's
-    32-byte chunks sign-extended to int16 and their 16 pairs stored 64 bytes apart."""
-    sig = types.void(xq, g, x16)
-
-    def codegen(context, builder, signature, args):
-        xa, _, ya = (array(context, builder, signature.args[k], args[k]) if k != 1 else None for k in range(3))
-        gv = args[1]
-        M = builder.extract_value(xa.shape, 0)
-        K = builder.extract_value(xa.shape, 1)
-        base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(K, c64(32)))])
-        n = builder.sub(M, builder.mul(gv, c64(16)))
-        n = builder.select(builder.icmp_signed("<", n, c64(16)), n, c64(16))
-        with cgutils.for_range_slice(builder, c64(0), K, c64(32)) as (k, _):     # a 1 KB block of x16 at a time
-            with cgutils.for_range(builder, n) as rl:
-                r = rl.index
-                src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(16)), r), K)])
-                dst = builder.gep(base, [builder.mul(r, c64(4))])
-                v = builder.bitcast(builder.sext(vload(builder, builder.gep(src, [k]), V32B), V32S), V16I)
-                for e in range(16):                                    # pair k/2 + e -> 64 (k/2 + e) + 4r
-                    at = builder.mul(builder.add(builder.sdiv(k, c64(2)), c64(e)), c64(64))
-                    builder.store(builder.extract_element(v, c32(e)),
-                                  builder.bitcast(builder.gep(dst, [at]), i32.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def q6_k_rows16(xq, dx):
-    """q8_K rows (M, K), dx (M, nb) -> x16 (G, K/2, 16, 2) int16 (rows 16g .. 16g+15 in the lanes, zero
-    padding), dx16 (G, nb, 16) float32."""
-    M, K = xq.shape
-    nb = dx.shape[1]
-    G = -(-M // 16)
-    x16 = np.empty((G, K // 2, 16, 2), np.int16)
-    dx16 = np.zeros((G, nb, 16), np.float32)
-    for g in prange(G):
-        if M - 16 * g < 16:
-            x16[g] = 0
-        _regroup16(xq, g, x16)
-        for r in range(min(16, M - 16 * g)):
-            for b in range(nb):
-                dx16[g, b, r] = dx[16 * g + r, b]
-    return x16, dx16
 
 
 if WIDE_PROMPT:

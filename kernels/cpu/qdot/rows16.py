@@ -1,0 +1,111 @@
+"""Activation rows 16 to a 512-bit register, for the prompt kernels that put the rows in the lanes
+(q4_k, q6_k on AVX-512): one weight dword broadcast against the same dword of 16 rows is one
+vpdpbusd / vpdpwssd for 16 outputs, with no shuffles in the loop."""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kernels.cpu.simd import V32B, array, byte_ptr, c32, c64, i32, vload
+
+V16I, V16F = ir.VectorType(i32, 16), ir.VectorType(ir.FloatType(), 16)
+V32S = ir.VectorType(ir.IntType(16), 32)
+
+
+def vpdpwssd(builder, acc, a, b):
+    """acc + vpdpwssd(a, b) (V16I) as inline assembly: LLVM's machine combiner splits the intrinsic
+    into vpmaddwd + vpaddd to shorten the accumulator's dependency chain, twice the instructions on
+    loops whose chains are many and independent."""
+    fty = ir.FunctionType(V16I, [V16I, V16I, V16I])
+    return builder.asm(fty, "vpdpwssd $2, $1, $0", "=v,v,v,0", [a, b, acc], side_effect=False)
+
+
+def store_lanes(builder, vec, out_ptr, N, M, group, col):
+    """out[16 group + l, col] = vec[l] for the lanes l whose row is below M (out: (rows, N) float32)."""
+    for lane in range(16):
+        row = builder.add(builder.mul(group, c64(16)), c64(lane))
+        with builder.if_then(builder.icmp_signed("<", row, M)):
+            builder.store(builder.extract_element(vec, c32(lane)), builder.gep(out_ptr, [builder.add(builder.mul(row, N), col)]))
+
+
+def _regroup_kernel(widen: bool):
+    """kern(xq, g, xg): rows 16g .. 16g+15 of xq (M, K) int8 (those below M) into xg[g]. widen: int16
+    pairs, (K/2, 16, 2) (each row's 32-byte chunk sign-extended, its 16 pairs stored 64 bytes apart);
+    else the bytes, (K/4, 16, 4). A 1 KB block of xg at a time, so its lines stay in L1."""
+    unit = 2 if widen else 4                       # elements per dword
+
+    def kern(typingctx, xq, g, xg):
+        sig = types.void(xq, g, xg)
+
+        def codegen(context, builder, signature, args):
+            xa, _, ya = (array(context, builder, signature.args[k], args[k]) if k != 1 else None for k in range(3))
+            gv = args[1]
+            M = builder.extract_value(xa.shape, 0)
+            K = builder.extract_value(xa.shape, 1)
+            base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(K, c64(64 // unit)))])
+            n = builder.sub(M, builder.mul(gv, c64(16)))
+            n = builder.select(builder.icmp_signed("<", n, c64(16)), n, c64(16))
+            step = 16 * unit                           # elements per block of 16 dwords
+            with cgutils.for_range_slice(builder, c64(0), K, c64(step)) as (k, _):
+                with cgutils.for_range(builder, n) as rl:
+                    r = rl.index
+                    src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(16)), r), K)])
+                    dst = builder.gep(base, [builder.mul(r, c64(4))])
+                    if widen:
+                        v = builder.bitcast(builder.sext(vload(builder, builder.gep(src, [k]), V32B), V32S), V16I)
+                    else:
+                        v = builder.bitcast(vload(builder, builder.gep(src, [k]), ir.VectorType(ir.IntType(8), 64)), V16I)
+                    for e in range(16):                    # dword k/unit + e -> 64 (k/unit + e) + 4r
+                        at = builder.mul(builder.add(builder.sdiv(k, c64(unit)), c64(e)), c64(64))
+                        builder.store(builder.extract_element(v, c32(e)),
+                                      builder.bitcast(builder.gep(dst, [at]), i32.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"regroup16_{'pairs' if widen else 'bytes'}"
+    return intrinsic(kern)
+
+
+_regroup_pairs, _regroup_bytes = _regroup_kernel(True), _regroup_kernel(False)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def regroup_pairs(xq):
+    """q8_K rows (M, K) -> (G, K/2, 16, 2) int16: rows 16g .. 16g+15 in the lanes, zero padding."""
+    M, K = xq.shape
+    G = -(-M // 16)
+    xg = np.empty((G, K // 2, 16, 2), np.int16)
+    for g in prange(G):
+        if M - 16 * g < 16:
+            xg[g] = 0
+        _regroup_pairs(xq, g, xg)
+    return xg
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def regroup_bytes(xq):
+    """q8_K rows (M, K) -> (G, K/4, 16, 4) int8: rows 16g .. 16g+15 in the lanes, zero padding (K % 64 == 0)."""
+    M, K = xq.shape
+    G = -(-M // 16)
+    xg = np.empty((G, K // 4, 16, 4), np.int8)
+    for g in prange(G):
+        if M - 16 * g < 16:
+            xg[g] = 0
+        _regroup_bytes(xq, g, xg)
+    return xg
+
+
+@njit(cache=True, error_model="numpy")
+def lanes(a):
+    """(M, n) -> (G, n, 16): a per-row array (scales, sums) with 16 rows in the lanes, zero padding."""
+    M, n = a.shape
+    G = -(-M // 16)
+    out = np.zeros((G, n, 16), a.dtype)
+    for m in range(M):
+        for b in range(n):
+            out[m // 16, b, m % 16] = a[m, b]
+    return out
