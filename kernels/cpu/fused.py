@@ -240,10 +240,17 @@ def _project(h, p, q8, runs, o0, o1, o2):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def _part(where, m, outs):
+    """Member m of a fused projection: (the output buffer that holds it, its first column)."""
+    part = where[m, 0]
+    return (outs[0] if part == 0 else (outs[1] if part == 1 else outs[2])), where[m, 1]
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _member(where, m, outs):
-    part, c0, n = where[m, 0], where[m, 1], where[m, 2]
-    out = outs[0] if part == 0 else (outs[1] if part == 1 else outs[2])
-    return np.ascontiguousarray(out[:, c0:c0 + n])
+    """Member m of a fused projection as a contiguous copy (T, n)."""
+    out, c0 = _part(where, m, outs)
+    return np.ascontiguousarray(out[:, c0:c0 + where[m, 2]])
 
 
 @njit(cache=True, error_model="numpy")
@@ -272,17 +279,17 @@ def _ffn(x, w, b):
     T, D = x.shape
     _norm(x, w.ffn_norm, w.eps, b.h, T > 1)
     _project(b.h, w.gate_up, b.q8_d, b.runs, b.gate_up[0], b.gate_up[1], b.gate_up[2])
-    gate = _member(w.gate_up.where, 0, b.gate_up)
-    up = _member(w.gate_up.where, 1, b.gate_up)
+    gb, g0 = _part(w.gate_up.where, 0, b.gate_up)       # gate and up read in place
+    ub, u0 = _part(w.gate_up.where, 1, b.gate_up)
     if T > 1:
         if w.geglu:
-            _geglu_tanh(gate.reshape(-1), up.reshape(-1), b.a.reshape(-1), w.gelu_table)
+            _geglu_tanh(gb, g0, ub, u0, b.a, w.gelu_table)
         else:
-            _swiglu(gate.reshape(-1), up.reshape(-1), b.a.reshape(-1))
+            _swiglu(gb, g0, ub, u0, b.a)
     elif w.geglu:
-        _geglu_tanh_serial(gate[0], up[0], b.a[0], w.gelu_table)
+        _geglu_tanh_serial(gb, g0, ub, u0, b.a, w.gelu_table)
     else:
-        _swiglu_serial(gate[0], up[0], b.a[0])
+        _swiglu_serial(gb, g0, ub, u0, b.a)
     quantize_into(b.a, ACT_KIND[w.w_down_type], b.q8_f)
     matmul_row(w.w_down, w.w_down_type, b.q8_f, b.runs, b.d)
     d = b.d[:, :D]

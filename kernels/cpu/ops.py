@@ -137,7 +137,10 @@ def ggml_expf(x):
     """ggml_v_expf of llama.cpp's AVX2 build (ggml-cpu/vec.h, the ARM-derived routine) lane for lane:
     the same fused multiply-adds, k = 2^n built in the exponent bits, fma(k, j, k); beyond |n| > 126
     the two-factor scaling (s2 * j + s2) * s1, beyond 192 s1 * s1 (0 or inf). Branch-free selects,
-    so loops over it vectorize. exp(-inf) = 0, as the masked softmax needs."""
+    so loops over it vectorize; the lanes that do not take the scaling compute it with s1 = s2 = 1,
+    because its factors would make denormals there (llama.cpp skips that path when no lane needs it),
+    and a denormal costs a microcode assist (about 10 times slower on the Intel Xeon of the README).
+    exp(-inf) = 0, as the masked softmax needs."""
     z = fma32(x, _E_LOG2E, _E_R)
     n = z - _E_R
     b = fma32(-n, _E_LN2_LO, fma32(-n, _E_LN2_HI, x))
@@ -146,11 +149,12 @@ def ggml_expf(x):
     u = b * b
     j = fma32(fma32(fma32(_E_C5, b, _E_C4), u, fma32(_E_C3, b, _E_C2)), u, _E_C1 * b)
     g = np.int32(-2113929216) if n <= np.float32(0.0) else np.int32(0)          # 0x82000000 where n <= 0
-    s1 = f32_of_bits(np.int32(g + np.int32(0x7F000000)))
-    s2 = f32_of_bits(np.int32(e - g))
     an = abs(n)
+    scaled = an > np.float32(126.0)
+    s1 = f32_of_bits(np.int32(g + np.int32(0x7F000000))) if scaled else np.float32(1.0)
+    s2 = f32_of_bits(np.int32(e - g)) if scaled else np.float32(1.0)
     big = s1 * s1 if an > np.float32(192.0) else fma32(s2, j, s2) * s1
-    return big if an > np.float32(126.0) else fma32(k, j, k)
+    return big if scaled else fma32(k, j, k)
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -330,11 +334,16 @@ CHUNK = 4096
 
 
 @njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: ggml_v_silu's exact rounding
-def _swiglu(g, u, out):
-    """silu(g) * u as ggml_vec_swiglu_f32 (AVX2): x / (1 + ggml_expf(0 - x)) * u, IEEE division."""
-    n = g.shape[0]
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        gc, uc, oc = g[c * CHUNK:(c + 1) * CHUNK], u[c * CHUNK:(c + 1) * CHUNK], out[c * CHUNK:(c + 1) * CHUNK]
+def _swiglu(gb, g0, ub, u0, out):
+    """silu(g) * u as ggml_vec_swiglu_f32 (AVX2): x / (1 + ggml_expf(0 - x)) * u, IEEE division.
+    out (T, n); g = gb[:, g0:g0+n] and u = ub[:, u0:u0+n] are read in place (the columns of a fused
+    gate/up product: no copies). Threads take (row, chunk) pairs."""
+    T, n = out.shape
+    nc = (n + CHUNK - 1) // CHUNK
+    for t in prange(T * nc):
+        r, a = t // nc, t % nc * CHUNK
+        e = min(n, a + CHUNK)
+        gc, uc, oc = gb[r, g0 + a:g0 + e], ub[r, u0 + a:u0 + e], out[r, a:e]
         for i in range(gc.shape[0]):
             x = gc[i]
             oc[i] = x / (np.float32(1.0) + ggml_expf(np.float32(0.0) - x)) * uc[i]
@@ -357,12 +366,15 @@ def _gelu_f16_table():
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _geglu_tanh(g, u, out, table):
+def _geglu_tanh(gb, g0, ub, u0, out, table):
     """gelu(g) * u as ggml_vec_geglu_f32 with GGML_GELU_FP16: 0 below -10, g * u above 10, else the
-    table entry of f16(g), times u."""
-    n = g.shape[0]
-    for c in prange((n + CHUNK - 1) // CHUNK):
-        gc, uc, oc = g[c * CHUNK:(c + 1) * CHUNK], u[c * CHUNK:(c + 1) * CHUNK], out[c * CHUNK:(c + 1) * CHUNK]
+    table entry of f16(g), times u. g, u and out as _swiglu's."""
+    T, n = out.shape
+    nc = (n + CHUNK - 1) // CHUNK
+    for t in prange(T * nc):
+        r, a = t // nc, t % nc * CHUNK
+        e = min(n, a + CHUNK)
+        gc, uc, oc = gb[r, g0 + a:g0 + e], ub[r, u0 + a:u0 + e], out[r, a:e]
         for i in range(gc.shape[0]):
             x = gc[i]
             if x <= np.float32(-10.0):
@@ -377,14 +389,15 @@ _swiglu_serial = serial_twin(_swiglu)
 _geglu_tanh_serial = serial_twin(_geglu_tanh)
 
 
-def _glu(kernel, twin, gate, up):
+def _glu(kernel, twin, gate, up, *extra):
     g = np.ascontiguousarray(gate, np.float32)
     u = np.ascontiguousarray(up, np.float32)
     if g.shape != u.shape:
         raise ValueError(f"gate {g.shape} and up {u.shape} differ")
-    out = np.empty_like(g)
-    pick(kernel, twin, g.size)(g.reshape(-1), u.reshape(-1), out.reshape(-1))
-    return out
+    g2, u2 = g.reshape(-1, g.shape[-1] if g.ndim else 1), u.reshape(-1, u.shape[-1] if u.ndim else 1)
+    out = np.empty_like(g2)
+    pick(kernel, twin, g.size)(g2, 0, u2, 0, out, *extra)
+    return out.reshape(g.shape)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -405,14 +418,7 @@ def gelu_table() -> np.ndarray:
 
 def geglu_tanh(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """gelu(gate) * up with ggml's tanh approximation of gelu, through its float16 table."""
-    gelu_table()
-    g = np.ascontiguousarray(gate, np.float32)
-    u = np.ascontiguousarray(up, np.float32)
-    if g.shape != u.shape:
-        raise ValueError(f"gate {g.shape} and up {u.shape} differ")
-    out = np.empty_like(g)
-    pick(_geglu_tanh, _geglu_tanh_serial, g.size)(g.reshape(-1), u.reshape(-1), out.reshape(-1), _GELU_TABLE)
-    return out
+    return _glu(_geglu_tanh, _geglu_tanh_serial, gate, up, gelu_table())
 
 
 @njit(parallel=True, fastmath=FAST, cache=True, error_model="numpy")
