@@ -138,24 +138,27 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
 
 
 def test_the_wide_prompt_kernels_are_the_ones_tested():
-    """With 512-bit registers a prompt's Q6_K rows go through the 16-row kernel (from 16 rows, whole
-    tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
+    """With 512-bit registers a prompt's Q6_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
+    (kernels/cpu/qdot/tiled16.py, from 16 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
     rows keep the gemv arithmetic) and Q5_0's through the 512-bit panel: the exactness tests above
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
     each variant)."""
     wide = qdot.WIDE_PROMPT
+    from kernels.cpu.qdot import tiled16
     from kernels.cpu.qdot.q4_k import wide_gemm_rows
     assert wide_gemm_rows(*qdot.run_arrays([(0, 37, True)])) == (36 if wide else 0)
     assert wide_gemm_rows(*qdot.run_arrays([(0, 53, True)])) == (52 if wide else 0)
     assert wide_gemm_rows(*qdot.run_arrays([(0, 31, True)])) == 0
     assert wide_gemm_rows(*qdot.run_arrays([(0, 53, False)])) == 0
     one_run = lambda n: qdot.run_arrays([(0, n, True)])            # noqa: E731
-    assert qdot._wide_q6_k(40, *one_run(16)) == wide
-    assert not qdot._wide_q6_k(40, *one_run(15))
-    assert not qdot._wide_q6_k(13, *one_run(53))
-    assert not qdot._wide_q6_k(40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
-    assert not qdot._wide_q6_k(40, *qdot.run_arrays([(0, 53, False)]))
+    for t in (T.Q6_K, T.Q3_K, T.IQ4_XS, T.Q2_K):
+        assert tiled16.wide(t, 40, *one_run(16)) == wide
+        assert not tiled16.wide(t, 40, *one_run(15))
+        assert not tiled16.wide(t, 13, *one_run(53))
+        assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
+        assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))
+    assert not tiled16.wide(T.Q5_K, 40, *one_run(53)) and not tiled16.wide(T.Q4_K, 40, *one_run(53))
     assert (qdot.q5_0_prompt.py_func.__name__ == "_q5_0_prompt_512") == wide
 
 

@@ -52,7 +52,9 @@ from kernels.cpu.qdot.iq4_xs import _iq4_xs_rows
 from kernels.cpu.qdot.q2_k import _q2_k_rows
 from kernels.cpu.qdot.q3_k import _q3_k_rows
 from kernels.cpu.qdot.q5_k import _q5_k_rows
-from kernels.cpu.qdot.q6_k import Q6K_NW, Q6K_PROMPT_MIN_ROWS, WIDE_PROMPT, _q6_k_rows, q6_k_prompt
+from kernels.cpu.qdot.q6_k import _q6_k_rows
+from kernels.cpu.qdot import tiled16
+from kernels.cpu.qdot.tiled16 import WIDE_PROMPT
 from kernels.cpu.qdot import rows16
 from kernels.cpu.simd import HAS_AVX2
 from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS
@@ -91,11 +93,13 @@ class Int8Rows:
         return self._derived[key]
 
     def lanes16(self, name: str, n: int | None = None):
-        """A per-row array (dx, bsp) of the first n rows with 16 rows in the lanes (rows16.lanes)."""
+        """A per-row array (dx, bsp, bs16) of the first n rows with 16 rows in the lanes (rows16.lanes;
+        an int16 array as int32 pairs)."""
         n = self.n_rows if n is None else n
         key = ("lanes16", name, n)
         if key not in self._derived:
-            self._derived[key] = rows16.lanes(getattr(self, name)[:n])
+            a = getattr(self, name)[:n]
+            self._derived[key] = rows16.lanes(a.view(np.int32) if a.dtype == np.int16 else a)   # int16: as pairs
         return self._derived[key]
 
     def biased_groups(self):
@@ -159,14 +163,6 @@ def _run_arrays(runs, M: int):
     return starts, lens, batched
 
 
-@njit(cache=True)
-def _wide_q6_k(n_out, run_start, run_len, run_batched):
-    """Does a Q6_K product take the 16-row kernel (q6_k.q6_k_prompt)? One batched run (a prompt) of
-    Q6K_PROMPT_MIN_ROWS rows or more, on 512-bit registers, with whole tiles of weight rows."""
-    return (WIDE_PROMPT and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= Q6K_PROMPT_MIN_ROWS
-            and n_out % Q6K_NW == 0)
-
-
 def layout_prefix(layout: np.ndarray, ggml_type: int, n_out: int) -> np.ndarray:
     """The part of an exact layout the first n_out output rows need (a draft model's truncated
     vocabulary): its rows or 8-row groups, and for the dense types whole tinyBLAS tiles."""
@@ -188,8 +184,8 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     out = np.empty((M, traits.layout_rows(w)), np.float32)
     if ggml_type in DENSE_TYPES:
         _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
-    elif ggml_type == T.Q6_K and _wide_q6_k(w.shape[0], *_run_arrays(runs, M)):
-        q6_k_prompt(w, rows.grouped16(True), rows.lanes16("dx"), M, out)
+    elif tiled16.wide(ggml_type, w.shape[0], *_run_arrays(runs, M)):
+        tiled16.prompt(ggml_type, w, rows.grouped16(True), rows.lanes16("dx"), rows.lanes16("bs16"), M, out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_K:
@@ -264,8 +260,9 @@ def matmul_row(layout, ggml_type, q, runs, out):
     run_start, run_len, run_batched = runs
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
-    elif ggml_type == T.Q6_K and _wide_q6_k(layout.shape[0], run_start, run_len, run_batched):
-        q6_k_prompt(layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
+    elif tiled16.wide(ggml_type, layout.shape[0], run_start, run_len, run_batched):
+        tiled16.prompt(ggml_type, layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), rows16.lanes(q.bs16.view(np.int32)),
+                       q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:

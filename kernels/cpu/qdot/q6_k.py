@@ -9,7 +9,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
-from kernels.cpu.qdot.rows16 import V16F, V16I, store_lanes, vpdpwssd
 from kernels.cpu.simd import (
     REGISTERS, V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
     load_as, madd16, dot4_scaled, splat, vconst, vload, vstore,
@@ -175,21 +174,8 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
                     m += min(8, left)
 
 
-# --- Q6_K prompts on 512-bit registers: 16 activation rows in the lanes ---------------------------
-# The tiled arithmetic needs only one exact integer per (output, super-block), S = sum_k w_k x_k with
-# w_k = (q_k - 32) * sc (|w| <= 4096, an int16) and |S| <= 256 * 4096 * 128 < 2^31. So a panel of
-# weight rows is unpacked once into those int16 products (q6_k_unpack16), the activations are
-# regrouped 16 rows to a register (int16 pairs, rows16.regroup_pairs), and one vpdpwssd takes a pair of w of
-# one weight row (broadcast) against the same pair of 16 rows: S for 16 outputs with no scale
-# multiplies and no -32 correction. Then per super-block res = d_w * float(S) and out = fma(res,
-# d_x, out) lane-wise: the tiled kernel's float steps, bit for bit.
+# --- Q6_K prompts on 512-bit registers (kernels.cpu.qdot.tiled16): the panel's int16 products ---
 V32S = ir.VectorType(ir.IntType(16), 32)
-WIDE_PROMPT = REGISTERS == 32
-Q6K_NW = 8                  # weight rows per tile (each with one accumulator per 16 activation rows)
-Q6K_PANEL_BYTES = 512 << 10  # the unpacked panel (rows x K int16) stays in L2 beside the activations
-# From this many activation rows on, a batched Q6_K run takes the 16-row kernel (at 8 rows the two
-# kernels are even; README: measured).
-Q6K_PROMPT_MIN_ROWS = 16
 
 
 @intrinsic
@@ -232,97 +218,3 @@ def q6_k_unpack16(typingctx, w, r0, n_rows, wp, dwp):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-def _q6_k_tile16(NW: int, MX: int):
-    """kern(wp, dwp, j0, x16, dx16, g, out, n0, M): out[16(g+x) + l, n0+j0+j] for j < NW, x < MX and
-    the 16 lanes l (rows below M). wp (P, K) int16 and dwp (P, nb) from q6_k_unpack16; x16 (G, K/2,
-    16, 2) int16 and dx16 (G, nb, 16) float32 from rows16 (regroup_pairs(xq), lanes(dx))."""
-
-    def kern(typingctx, wp, dwp, j0, x16, dx16, g, out, n0, M):
-        sig = types.void(wp, dwp, j0, x16, dx16, g, out, n0, M)
-
-        def codegen(context, builder, signature, args):
-            wa, da, _, xa, dxa, _, oa = (array(context, builder, signature.args[k], args[k]) if k not in (2, 5) else None
-                                         for k in range(7))
-            j0v, gv, n0v, Mv = args[2], args[5], args[7], args[8]
-            K = builder.extract_value(wa.shape, 1)
-            nb = builder.extract_value(da.shape, 1)
-            N = builder.extract_value(oa.shape, 1)
-            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(j0v, c64(j)), builder.mul(K, c64(2)))])
-                    for j in range(NW)]
-            drow = [builder.gep(da.data, [builder.mul(builder.add(j0v, c64(j)), nb)]) for j in range(NW)]
-            xg = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(gv, c64(x)), builder.mul(K, c64(32)))])
-                  for x in range(MX)]
-            dxg = [builder.gep(dxa.data, [builder.mul(builder.add(gv, c64(x)), builder.mul(nb, c64(16)))]) for x in range(MX)]
-            zero_i = ir.Constant(V16I, [0] * 16)
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MX)] for _ in range(NW)]
-            S = [[cgutils.alloca_once(builder, V16I) for _ in range(MX)] for _ in range(NW)]
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                for j in range(NW):
-                    for x in range(MX):
-                        builder.store(zero_i, S[j][x])
-                with cgutils.for_range_slice(builder, c64(0), c64(256), c64(8)) as (k, _):   # 4 pairs per step
-                    e = builder.add(builder.mul(b, c64(256)), k)                 # element index
-                    for u in range(4):
-                        ek = builder.add(e, c64(2 * u))
-                        xs = [vload(builder, builder.gep(xg[x], [builder.mul(ek, c64(32))]), V16I) for x in range(MX)]
-                        for j in range(NW):
-                            wd = splat(builder, load_as(builder, wrow[j], i32, builder.mul(ek, c64(2))), V16I)
-                            for x in range(MX):
-                                builder.store(vpdpwssd(builder, builder.load(S[j][x]), xs[x], wd), S[j][x])
-                for x in range(MX):
-                    dxv = vload(builder, builder.gep(dxg[x], [builder.mul(b, c64(16))]), V16F)
-                    for j in range(NW):
-                        dw = splat(builder, builder.load(builder.gep(drow[j], [b])), V16F)
-                        res = builder.fmul(dw, builder.sitofp(builder.load(S[j][x]), V16F))
-                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [res, dxv, builder.load(acc[j][x])]), acc[j][x])
-            for x in range(MX):
-                for j in range(NW):
-                    store_lanes(builder, builder.load(acc[j][x]), oa.data, N, Mv, builder.add(gv, c64(x)),
-                                builder.add(n0v, builder.add(j0v, c64(j))))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    kern.__name__ = f"q6_k_tile16_{NW}x{MX}"
-    return intrinsic(kern)
-
-
-if WIDE_PROMPT:
-    q6_k_tile16_2, q6_k_tile16_1 = _q6_k_tile16(Q6K_NW, 2), _q6_k_tile16(Q6K_NW, 1)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _q6_k_prompt(w, x16, dx16, M, out):
-    """Q6_K rows (N % Q6K_NW == 0) x regrouped q8_K rows -> out (M, N) with the tiled arithmetic; prange
-    over panels of weight rows, each unpacked once for every group of 16 activation rows."""
-    N = w.shape[0]
-    K = x16.shape[1] * 2
-    nb = dx16.shape[1]
-    G = x16.shape[0]
-    P = max(Q6K_NW, min(64, Q6K_PANEL_BYTES // (2 * K)) // Q6K_NW * Q6K_NW)
-    for p in prange(-(-N // P)):
-        r0 = p * P
-        nr = min(P, N - r0)
-        wp = np.empty((P, K), np.int16)
-        dwp = np.empty((P, nb), np.float32)
-        q6_k_unpack16(w, r0, nr, wp, dwp)
-        g = 0
-        while g + 2 <= G:
-            for j0 in range(0, nr, Q6K_NW):
-                q6_k_tile16_2(wp, dwp, j0, x16, dx16, g, out, r0, M)
-            g += 2
-        if g < G:
-            for j0 in range(0, nr, Q6K_NW):
-                q6_k_tile16_1(wp, dwp, j0, x16, dx16, g, out, r0, M)
-
-
-@njit(cache=True)
-def _no_wide_kernel(w, x16, dx16, M, out):
-    raise RuntimeError("the 16-row Q6_K kernel needs AVX-512 (qdot._wide_q6_k never picks it here)")
-
-
-# The 512-bit kernel is compiled only where it runs; elsewhere the dispatch never calls it.
-q6_k_prompt = _q6_k_prompt if WIDE_PROMPT else _no_wide_kernel
