@@ -333,17 +333,22 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: 
 CHUNK = 4096
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _glu_chunk(gb, g0, ub, u0, out, t, nc):
+    """Chunk t of a GLU's (row, chunk) pairs: the gate, up and out slices (see _swiglu)."""
+    r, a = t // nc, t % nc * CHUNK
+    e = min(out.shape[1], a + CHUNK)
+    return gb[r, g0 + a:g0 + e], ub[r, u0 + a:u0 + e], out[r, a:e]
+
+
 @njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: ggml_v_silu's exact rounding
 def _swiglu(gb, g0, ub, u0, out):
     """silu(g) * u as ggml_vec_swiglu_f32 (AVX2): x / (1 + ggml_expf(0 - x)) * u, IEEE division.
     out (T, n); g = gb[:, g0:g0+n] and u = ub[:, u0:u0+n] are read in place (the columns of a fused
     gate/up product: no copies). Threads take (row, chunk) pairs."""
-    T, n = out.shape
-    nc = (n + CHUNK - 1) // CHUNK
-    for t in prange(T * nc):
-        r, a = t // nc, t % nc * CHUNK
-        e = min(n, a + CHUNK)
-        gc, uc, oc = gb[r, g0 + a:g0 + e], ub[r, u0 + a:u0 + e], out[r, a:e]
+    nc = (out.shape[1] + CHUNK - 1) // CHUNK
+    for t in prange(out.shape[0] * nc):
+        gc, uc, oc = _glu_chunk(gb, g0, ub, u0, out, t, nc)
         for i in range(gc.shape[0]):
             x = gc[i]
             oc[i] = x / (np.float32(1.0) + ggml_expf(np.float32(0.0) - x)) * uc[i]
@@ -369,12 +374,9 @@ def _gelu_f16_table():
 def _geglu_tanh(gb, g0, ub, u0, out, table):
     """gelu(g) * u as ggml_vec_geglu_f32 with GGML_GELU_FP16: 0 below -10, g * u above 10, else the
     table entry of f16(g), times u. g, u and out as _swiglu's."""
-    T, n = out.shape
-    nc = (n + CHUNK - 1) // CHUNK
-    for t in prange(T * nc):
-        r, a = t // nc, t % nc * CHUNK
-        e = min(n, a + CHUNK)
-        gc, uc, oc = gb[r, g0 + a:g0 + e], ub[r, u0 + a:u0 + e], out[r, a:e]
+    nc = (out.shape[1] + CHUNK - 1) // CHUNK
+    for t in prange(out.shape[0] * nc):
+        gc, uc, oc = _glu_chunk(gb, g0, ub, u0, out, t, nc)
         for i in range(gc.shape[0]):
             x = gc[i]
             if x <= np.float32(-10.0):

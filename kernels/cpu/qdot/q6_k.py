@@ -2,7 +2,6 @@
 fewer than 8 rows, the tiled kernel's for more, bit for bit."""
 from __future__ import annotations
 
-import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -11,7 +10,7 @@ from numba.extending import intrinsic
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
     REGISTERS, V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
-    load_as, madd16, dot4_scaled, splat, vconst, vload, vstore,
+    load_as, madd16, dot4_scaled, splat, vconst, vload,
 )
 
 # --- Q6_K ---------------------------------------------------------------------------------------
@@ -22,6 +21,21 @@ from kernels.cpu.simd import (
 # vec_dot (fewer than 8 rows): acc = fma(d_w*d_x, float(lane - sub), acc) per lane, hsum_float_8 at
 # the end. tiled (8 rows or more): S = sum of all lanes - sum of all sub, out = fma(d_w*float(S), d_x, out).
 Q6_K_BLOCK = 210
+
+
+def _q6_k_half(builder, p, j):
+    """Half j of the super-block at p: its 4 chunks of 32 unsigned 6-bit values (V32B), elements
+    128j + 32k .. +31 for chunk k."""
+    m15, m3 = vconst(V32B, 15), vconst(V32B, 3)
+    q1 = vload(builder, builder.gep(p, [c64(64 * j)]), V32B)
+    q2 = vload(builder, builder.gep(p, [c64(64 * j + 32)]), V32B)
+    qh = vload(builder, builder.gep(p, [c64(128 + 32 * j)]), V32B)
+    shr = lambda v, k: builder.lshr(v, vconst(V32B, k))       # noqa: E731
+    shl = lambda v, k: builder.shl(v, vconst(V32B, k))        # noqa: E731
+    return [builder.or_(builder.and_(q1, m15), shl(builder.and_(qh, m3), 4)),
+            builder.or_(builder.and_(q2, m15), shl(builder.and_(shr(qh, 2), m3), 4)),
+            builder.or_(shr(q1, 4), shl(builder.and_(shr(qh, 4), m3), 4)),
+            builder.or_(shr(q2, 4), shl(shr(qh, 6), 4))]
 
 
 def _q6_k_kernel(MR: int, tiled: bool):
@@ -52,7 +66,6 @@ def _q6_k_kernel(MR: int, tiled: bool):
             qbuf = cgutils.alloca_once(builder, ir.ArrayType(V32B, 8))          # the chunks' 6-bit values
             sbuf = cgutils.alloca_once(builder, ir.ArrayType(V16S, 8))          # their scale pairs
             lanes = [cgutils.alloca_once(builder, V8I) for _ in range(MR)]
-            m15, m3 = vconst(V32B, 15), vconst(V32B, 3)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 p = builder.gep(row, [builder.mul(b, c64(Q6_K_BLOCK))])
@@ -62,15 +75,7 @@ def _q6_k_kernel(MR: int, tiled: bool):
                 sc16 = builder.sext(sc8, V16S)                                   # the 16 scales
                 dw = builder.fpext(load_as(builder, p, f16, 208), f32)
                 for j in range(2):
-                    q1 = vload(builder, builder.gep(p, [c64(64 * j)]), V32B)
-                    q2 = vload(builder, builder.gep(p, [c64(64 * j + 32)]), V32B)
-                    qh = vload(builder, builder.gep(p, [c64(128 + 32 * j)]), V32B)
-                    shr = lambda v, k: builder.lshr(v, vconst(V32B, k))       # noqa: E731
-                    shl = lambda v, k: builder.shl(v, vconst(V32B, k))        # noqa: E731
-                    qv = [builder.or_(builder.and_(q1, m15), shl(builder.and_(qh, m3), 4)),
-                          builder.or_(builder.and_(q2, m15), shl(builder.and_(shr(qh, 2), m3), 4)),
-                          builder.or_(shr(q1, 4), shl(builder.and_(shr(qh, 4), m3), 4)),
-                          builder.or_(shr(q2, 4), shl(shr(qh, 6), 4))]
+                    qv = _q6_k_half(builder, p, j)
                     if MR == 1 and j == 0:
                         lane = ir.Constant(V8I, [0] * 8)
                     for k in range(4):
@@ -174,47 +179,17 @@ def _q6_k_rows(w, xq, dx, bs16, run_start, run_len, run_batched, out):
                     m += min(8, left)
 
 
-# --- Q6_K prompts on 512-bit registers (kernels.cpu.qdot.tiled16): the panel's int16 products ---
-V32S = ir.VectorType(ir.IntType(16), 32)
+# --- Q6_K prompts on 512-bit registers (kernels.cpu.qdot.tiled16) ------------------------------
 
-
-@intrinsic
-def q6_k_unpack16(typingctx, w, r0, n_rows, wp, dwp):
-    """Weight rows r0 .. r0+n_rows-1 (GGUF Q6_K) -> wp (P, K) int16 (q - 32) * scale, dwp (P, nb) float32 d."""
-    sig = types.void(w, r0, n_rows, wp, dwp)
-
-    def codegen(context, builder, signature, args):
-        wa, _, _, pa, da = (array(context, builder, signature.args[k], args[k]) if k not in (1, 2) else None for k in range(5))
-        r0v, nr = args[1], args[2]
-        nb = builder.extract_value(da.shape, 1)
-        K = builder.extract_value(pa.shape, 1)
-        m15, m3 = vconst(V32B, 15), vconst(V32B, 3)
-        with cgutils.for_range(builder, nr) as rl:
-            r = rl.index
-            src = builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(r0v, r), builder.extract_value(wa.strides, 0))])
-            dst = builder.gep(byte_ptr(builder, pa.data), [builder.mul(r, builder.mul(K, c64(2)))])
-            with cgutils.for_range(builder, nb) as bl:
-                b = bl.index
-                p = builder.gep(src, [builder.mul(b, c64(Q6_K_BLOCK))])
-                sc16 = builder.sext(vload(builder, builder.gep(p, [c64(192)]), V16B), V16S)
-                builder.store(builder.fpext(load_as(builder, p, f16, 208), f32),
-                              builder.gep(da.data, [builder.add(builder.mul(r, nb), b)]))
-                for j in range(2):
-                    q1 = vload(builder, builder.gep(p, [c64(64 * j)]), V32B)
-                    q2 = vload(builder, builder.gep(p, [c64(64 * j + 32)]), V32B)
-                    qh = vload(builder, builder.gep(p, [c64(128 + 32 * j)]), V32B)
-                    shr = lambda v, k: builder.lshr(v, vconst(V32B, k))       # noqa: E731
-                    shl = lambda v, k: builder.shl(v, vconst(V32B, k))        # noqa: E731
-                    qv = [builder.or_(builder.and_(q1, m15), shl(builder.and_(qh, m3), 4)),
-                          builder.or_(builder.and_(q2, m15), shl(builder.and_(shr(qh, 2), m3), 4)),
-                          builder.or_(shr(q1, 4), shl(builder.and_(shr(qh, 4), m3), 4)),
-                          builder.or_(shr(q2, 4), shl(shr(qh, 6), 4))]
-                    for k in range(4):
-                        s = 4 * j + k                                             # elements 32s .. 32s+31
-                        scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 32), [2 * s] * 16 + [2 * s + 1] * 16))
-                        wv = builder.mul(builder.sub(builder.zext(qv[k], V32S), vconst(V32S, 32)), scv)
-                        off = builder.mul(builder.add(builder.mul(b, c64(256)), c64(32 * s)), c64(2))
-                        vstore(builder, wv, builder.gep(dst, [off]))
-        return context.get_dummy_value()
-
-    return sig, codegen
+def decode_signed(builder, p):
+    """The super-block at p as tiled16.lane_unpack16 takes a lanes type's: per 32-element chunk the
+    values q - 32 (signed bytes) and the chunk's two scales (V16S: lanes 0-7 elements 0..15, 8-15
+    elements 16..31), and d."""
+    sc16 = builder.sext(vload(builder, builder.gep(p, [c64(192)]), V16B), V16S)
+    ws, ss = [], []
+    for j in range(2):
+        for k, q in enumerate(_q6_k_half(builder, p, j)):
+            s = 4 * j + k
+            ws.append(builder.sub(q, vconst(V32B, 32)))
+            ss.append(builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * s] * 8 + [2 * s + 1] * 8)))
+    return None, ws, ss, builder.fpext(load_as(builder, p, f16, 208), f32), None, None

@@ -5,8 +5,8 @@ The tiled arithmetic (8 rows or more, tiled_run_microtile_avx2) needs one exact 
 (output, super-block), S = sum_k w_k x_k with w_k the element's value times its sub-block's scale,
 then res = d_w * float(S) and out = fma(res, d_x, out). Every such w_k fits an int16 (Q6_K (q-32)*sc
 up to 4096, IQ4_XS level*(ls-32) up to 4064, Q3_K up to 128) and |S| <= 256 * 4096 * 128 < 2^31.
-So a panel of weight rows is unpacked once into those int16 products (q6_k.q6_k_unpack16, or
-lane_unpack16 from a lanes decoder), the activations are regrouped 16 rows to a register (int16
+So a panel of weight rows is unpacked once into those int16 products (lane_unpack16, from the
+type's decoder), the activations are regrouped 16 rows to a register (int16
 pairs, rows16.regroup_pairs), and one vpdpwssd takes a pair of w of one weight row (broadcast)
 against the same pair of 16 rows: S for 16 outputs with no scale multiplies. Then the float steps
 lane-wise (Q2_K's minimums: P = sum of mn * the 16-element sums of x, also by vpdpwssd, and
@@ -25,7 +25,7 @@ from kernels import types as T
 from kernels.cpu.qdot.iq4_xs import IQ4_XS_BLOCK, _decode as _iq4_xs_decode
 from kernels.cpu.qdot.q2_k import Q2_K_BLOCK, _decode as _q2_k_decode
 from kernels.cpu.qdot.q3_k import Q3_K_BLOCK, _decode as _q3_k_decode
-from kernels.cpu.qdot.q6_k import q6_k_unpack16
+from kernels.cpu.qdot.q6_k import Q6_K_BLOCK, decode_signed as _q6_k_decode
 from kernels.cpu.qdot.rows16 import V16F, V16I, V32S, store_lanes, vpdpwssd
 from kernels.cpu.simd import REGISTERS, array, byte_ptr, c32, c64, call, f32, i32, load_as, splat, vload, vstore
 
@@ -39,8 +39,9 @@ PROMPT_MIN_ROWS = 16
 
 
 def lane_unpack16(name: str, block_bytes: int, decode, signed: bool, mins: bool):
-    """An unpacker (w, r0, n_rows, wp, dwp, dmp, mnp) like q6_k_unpack16 for a type on
-    kernels.cpu.qdot.lanes, from its decoder: per 32-element chunk the values (signed: ws, else qs)
+    """An unpacker (w, r0, n_rows, wp, dwp, dmp, mnp): GGUF rows r0 .. r0+n_rows-1 of a type on
+    kernels.cpu.qdot.lanes (or Q6_K, q6_k.decode_signed) -> wp (P, K) int16 and dwp (P, nb) d, from
+    its decoder: per 32-element chunk the values (signed: ws, else qs)
     widened to int16 and times the chunk's two scales (ss: lanes 0-7 elements 0..15, lanes 8-15
     elements 16..31); with mins (Q2_K) also dmin into dmp (P, nb) and the 16 minimums into mnp
     (P, nb, 16) int16."""
@@ -78,6 +79,7 @@ def lane_unpack16(name: str, block_bytes: int, decode, signed: bool, mins: bool)
     return intrinsic(kern)
 
 
+q6_k_unpack16 = lane_unpack16("q6_k", Q6_K_BLOCK, _q6_k_decode, True, False)
 q3_k_unpack16 = lane_unpack16("q3_k", Q3_K_BLOCK, _q3_k_decode, True, False)
 iq4_xs_unpack16 = lane_unpack16("iq4_xs", IQ4_XS_BLOCK, _iq4_xs_decode, True, False)
 q2_k_unpack16 = lane_unpack16("q2_k", Q2_K_BLOCK, _q2_k_decode, False, True)
@@ -186,7 +188,7 @@ def _prompt(ggml_type, w, x16, dx16, bs16, M, out):
         dmp = np.empty((P, nb), np.float32)
         mnp = np.empty((P, nb, 16), np.int16)
         if ggml_type == T.Q6_K:
-            q6_k_unpack16(w, r0, nr, wp, dwp)
+            q6_k_unpack16(w, r0, nr, wp, dwp, dmp, mnp)
         elif ggml_type == T.Q3_K:
             q3_k_unpack16(w, r0, nr, wp, dwp, dmp, mnp)
         elif ggml_type == T.Q2_K:
