@@ -19,6 +19,7 @@ the weights are the GGUF rows in place, widened to float32 in registers (vcvtph2
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -26,8 +27,9 @@ from numba.extending import intrinsic
 
 from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
+from kernels.cpu.qdot.rows16 import V16F, V16I
 from kernels.cpu.simd import (
-    V8F, V8H, V8I, array, byte_ptr, c64, fma, hsum8, i16, prefetch, reduce4x8, vload,
+    REGISTERS, V8F, V8H, V8I, array, byte_ptr, c32, c64, call, fma, hsum8, i16, i32, prefetch, reduce4x8, vload,
 )
 
 _ELEM_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
@@ -123,10 +125,124 @@ def _dense_tiny_kernel(ggml_type: int, MR: int, NR: int):
     return intrinsic(kern)
 
 
+def _load_w8_twice(builder, ggml_type: int, p):
+    """8 weights at byte pointer p as float32, in both halves of a 512-bit register (V16F)."""
+    both = ir.Constant(ir.VectorType(i32, 16), list(range(8)) * 2)
+    if ggml_type == T.F32:
+        v = vload(builder, p, V8F)
+        return builder.shuffle_vector(v, v, both)                  # vbroadcastf32x8 from memory
+    v = vload(builder, p, ir.VectorType(i16, 8))
+    v = builder.shuffle_vector(v, v, both)                         # vbroadcasti32x4, then widen 16
+    if ggml_type == T.F16:
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 16)), V16F)
+    return builder.bitcast(builder.shl(builder.zext(v, V16I), ir.Constant(V16I, [16] * 16)), V16F)
+
+
+def _dense_tiny512_kernel(ggml_type: int, MR: int, NP: int):
+    """kern(w, n0, xp, p0, out, m0, m_end): out[m0 + 2(p0+q) + h, n0+i] for i < MR, q < NP, h < 2
+    (rows below m_end),
+    tinyBLAS's numbers on 512-bit registers: two activation rows per register (lanes 0-7 row 2q,
+    8-15 row 2q+1; xp (M/2, K/8, 16) from _pair_rows), each weight vector widened once into both
+    halves. Per output the same 8-lane fma chain over K and the same hsum, both halves at once."""
+    eb = _ELEM_BYTES[ggml_type]
+
+    def kern(typingctx, w, n0, xp, p0, out, m0, m_end):
+        sig = types.void(w, n0, xp, p0, out, m0, m_end)
+
+        def codegen(context, builder, signature, args):
+            wa, _, xa, _, oa, _, _ = (array(context, builder, signature.args[k], args[k]) if k in (0, 2, 4) else None
+                                      for k in range(7))
+            n0v, p0v, m0v, Mv = args[1], args[3], args[5], args[6]
+            K8 = builder.extract_value(xa.shape, 1)
+            N = builder.extract_value(oa.shape, 1)
+            stride = builder.extract_value(wa.strides, 0)
+            wrows = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(n0v, c64(i)), stride)])
+                     for i in range(MR)]
+            xrows = [builder.gep(xa.data, [builder.mul(builder.add(p0v, c64(q)), builder.mul(K8, c64(16)))]) for q in range(NP)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MR)]
+                   for _ in range(NP)]
+            with cgutils.for_range(builder, K8) as loop:
+                l = loop.index
+                wv = [_load_w8_twice(builder, ggml_type, builder.gep(r, [builder.mul(l, c64(8 * eb))])) for r in wrows]
+                for q in range(NP):
+                    xv = vload(builder, builder.gep(xrows[q], [builder.mul(l, c64(16))]), V16F)
+                    for i in range(MR):
+                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [wv[i], xv, builder.load(acc[q][i])]), acc[q][i])
+
+            def swap(v, d):
+                return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 16), [k ^ d for k in range(16)]))
+            for q in range(NP):
+                for i in range(MR):
+                    t = builder.load(acc[q][i])
+                    for d in (4, 2, 1):                  # hsum: lane k + lane k+4, + k+2, + k+1, each half
+                        t = builder.fadd(t, swap(t, d))
+                    for h in range(2):
+                        row = builder.add(m0v, builder.add(builder.mul(builder.add(p0v, c64(q)), c64(2)), c64(h)))
+                        with builder.if_then(builder.icmp_signed("<", row, Mv)):
+                            idx = builder.add(builder.mul(row, N), builder.add(n0v, c64(i)))
+                            builder.store(builder.extract_element(t, c32(8 * h)), builder.gep(oa.data, [idx]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_tiny512_{MR}x{NP}"
+    return intrinsic(kern)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _pair_rows(x, m0, n):
+    """Rows m0 .. m0+n-1 of x (M, K) two to a register: (ceil(n/2), K/8, 16), the 8 floats of row
+    m0+2q then of row m0+2q+1 (zeros past the last row)."""
+    K = x.shape[1]
+    xp = np.empty(((n + 1) // 2, K // 8, 16), np.float32)
+    for q in prange(xp.shape[0]):
+        for h in range(2):
+            r = 2 * q + h
+            for k in range(K // 8):
+                for e in range(8):
+                    xp[q, k, 8 * h + e] = x[m0 + r, 8 * k + e] if r < n else np.float32(0.0)
+    return xp
+
+
 DENSE_TYPES = (T.F32, T.F16, T.BF16)
 f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t) for t in DENSE_TYPES)
 f32_tiny, f16_tiny, bf16_tiny = (_dense_tiny_kernel(t, TINY_MR, TINY_NR) for t in DENSE_TYPES)
 f32_tiny_1, f16_tiny_1, bf16_tiny_1 = (_dense_tiny_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
+# With AVX-512 the tiles take two activation rows per register (TINY512_NP pairs per tile).
+WIDE_TINY = REGISTERS == 32
+TINY512_NP = 4
+if WIDE_TINY:
+    f32_tiny512, f16_tiny512, bf16_tiny512 = (_dense_tiny512_kernel(t, TINY_MR, TINY512_NP) for t in DENSE_TYPES)
+    f32_tiny512_1, f16_tiny512_1, bf16_tiny512_1 = (_dense_tiny512_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
+else:                        # never called there (_dense_rows checks WIDE_TINY); compiled, so defined
+    @njit(cache=True)
+    def _no_tiny512(w, n0, xp, p0, out, m0, m_end):
+        raise RuntimeError("the 512-bit tinyBLAS tiles need AVX-512")
+    f32_tiny512 = f16_tiny512 = bf16_tiny512 = f32_tiny512_1 = f16_tiny512_1 = bf16_tiny512_1 = _no_tiny512
+
+
+@njit(inline="always")
+def _tiny512(ggml_type, w, n0, xp, out, m0, m_end):
+    """512-bit tinyBLAS tiles for weight rows n0 .. n0+TINY_MR-1 and every row pair of xp (rows
+    m0 .. m_end-1)."""
+    pairs = xp.shape[0]
+    q = 0
+    while q + TINY512_NP <= pairs:
+        if ggml_type == T.F32:
+            f32_tiny512(w, n0, xp, q, out, m0, m_end)
+        elif ggml_type == T.F16:
+            f16_tiny512(w, n0, xp, q, out, m0, m_end)
+        else:
+            bf16_tiny512(w, n0, xp, q, out, m0, m_end)
+        q += TINY512_NP
+    while q < pairs:
+        if ggml_type == T.F32:
+            f32_tiny512_1(w, n0, xp, q, out, m0, m_end)
+        elif ggml_type == T.F16:
+            f16_tiny512_1(w, n0, xp, q, out, m0, m_end)
+        else:
+            bf16_tiny512_1(w, n0, xp, q, out, m0, m_end)
+        q += 1
 
 
 @njit(inline="always")
@@ -175,8 +291,13 @@ def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
         if run_batched[r] and n >= 2 and tiny_ok:
             for c0 in range(r0, r0 + n, chunk):
                 rows = min(r0 + n, c0 + chunk) - c0
-                for t in prange(N // TINY_MR):
-                    _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
+                if WIDE_TINY:
+                    xp = _pair_rows(x, c0, rows)
+                    for t in prange(N // TINY_MR):
+                        _tiny512(ggml_type, w, t * TINY_MR, xp, out, c0, c0 + rows)
+                else:
+                    for t in prange(N // TINY_MR):
+                        _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
         else:
             for row in prange(N):
                 for m in range(r0, r0 + n):
