@@ -75,14 +75,19 @@ WEIGHTS_LAYOUT = "x8-1"
 
 
 def weights_cache_dir(gguf_path: Path) -> Path:
-    """Folder for one GGUF's repacked weights, keyed by its name, size, mtime and the layout."""
+    """Folder for one GGUF's repacked weights, keyed by its path, size, mtime and the layout. The
+    folders of the same path's other versions are removed; another file of the same name (and
+    size) elsewhere has its own, so two kvchats loading the two at once never remove each other's
+    folder while writing it. Folders of the first naming scheme (name-size-mtime-layout) go too."""
     st = gguf_path.stat()
     base = cache_dir() / "weights"
-    prefix = f"{gguf_path.stem}-{st.st_size}-"
-    current = base / f"{prefix}{st.st_mtime_ns}-{WEIGHTS_LAYOUT}"
+    where = hashlib.sha256(str(gguf_path.resolve()).encode()).hexdigest()[:12]
+    prefix = f"{gguf_path.stem}-p{where}-"
+    legacy = f"{gguf_path.stem}-{st.st_size}-"
+    current = base / f"{prefix}{st.st_size}-{st.st_mtime_ns}-{WEIGHTS_LAYOUT}"
     try:
         for old in base.iterdir() if base.is_dir() else ():
-            if old.is_dir() and old != current and old.name.startswith(prefix):
+            if old.is_dir() and old != current and old.name.startswith((prefix, legacy)):
                 shutil.rmtree(old, ignore_errors=True)
     except OSError:
         pass

@@ -142,11 +142,15 @@ class Weights:
         layout = build()
         if layout is None:
             return None
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, layout)
-        os.replace(tmp, path)
-        return np.load(path, mmap_mode="r")
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            np.save(tmp, layout)
+            os.replace(tmp, path)
+            return np.load(path, mmap_mode="r")
+        except OSError:           # the folder went (a newer version of this file, loaded meanwhile): run uncached
+            tmp.unlink(missing_ok=True)
+            return layout
 
     def matrix(self, name: str, exact: bool = True) -> QMatrix:
         """The matrix `name`, with its exact kernels' layout (every matrix a layer reads has one; the

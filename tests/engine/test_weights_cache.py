@@ -1,5 +1,7 @@
 """The exact kernels' repacked weights (8-row layouts, fused q/k/v and gate/up) are cached on disk
 and memory-mapped back on the next load."""
+import os
+
 import numpy as np
 import pytest
 
@@ -40,19 +42,31 @@ def test_damaged_cache_entry_is_rebuilt(tiny_model, tmp_path):
 
 
 def test_stale_layout_folders_are_removed(tmp_path, monkeypatch):
-    """A new layout version replaces a model's folder; other models' folders stay."""
+    """A new version of a file (or of the layout) replaces its folder, and so does a folder of the
+    first naming scheme; other models' folders stay, and so does the folder of another file of the
+    same name and size elsewhere: two kvchats loading the two at once once removed each other's
+    folder while writing it (test_cpu_variants' parallel runs of the tiny models)."""
     from core import paths
 
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"x" * 10)
+    twin = tmp_path / "elsewhere" / "m.gguf"
+    twin.parent.mkdir()
+    twin.write_bytes(b"y" * 10)
+    os.utime(twin, ns=(1, 1))
     other = tmp_path / "weights" / "n-10-1-old"
-    old = tmp_path / "weights" / "m-10-1-v1"
-    for d in (other, old):
+    legacy = tmp_path / "weights" / "m-10-1-v1"
+    for d in (other, legacy):
         d.mkdir(parents=True)
+    twin_dir = paths.weights_cache_dir(twin)
+    twin_dir.mkdir()
     current = paths.weights_cache_dir(gguf)
-    assert current.name.endswith(paths.WEIGHTS_LAYOUT)
-    assert not old.exists() and other.exists()
+    assert current.name.endswith(paths.WEIGHTS_LAYOUT) and current != twin_dir
+    assert not legacy.exists() and other.exists() and twin_dir.exists()
+    current.mkdir()
+    os.utime(gguf, ns=(2, 2))                                 # the file changed: its old folder goes
+    assert paths.weights_cache_dir(gguf) != current and not current.exists() and twin_dir.exists()
 
 
 def test_a_matrix_without_an_exact_layout_caches_nothing(tmp_path):

@@ -30,7 +30,6 @@ from kernels.cpu.qdot.rows16 import V16F, V16I, V32S, store_lanes, vpdpwssd
 from kernels.cpu.simd import REGISTERS, array, byte_ptr, c32, c64, call, f32, i32, load_as, splat, vload, vstore
 
 WIDE_PROMPT = REGISTERS == 32
-TILED16_TYPES = (T.Q6_K, T.Q3_K, T.IQ4_XS, T.Q2_K)
 NW = 8                       # weight rows per tile (each with one accumulator per 16 activation rows)
 PANEL_BYTES = 512 << 10      # the unpacked panel (rows x K int16) stays in L2 beside the activations
 # From this many activation rows on, a batched run takes these kernels (Q6_K: at 8 rows the two
@@ -163,7 +162,7 @@ if WIDE_PROMPT:
 
 @njit(cache=True)
 def wide(ggml_type, n_out, run_start, run_len, run_batched):
-    """Does a product take these kernels? A type of TILED16_TYPES, one batched run (a prompt) of
+    """Does a product take these kernels? Q6_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt) of
     PROMPT_MIN_ROWS rows or more, on 512-bit registers, whole tiles of weight rows."""
     return (WIDE_PROMPT and (ggml_type == T.Q6_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS or ggml_type == T.Q2_K)
             and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= PROMPT_MIN_ROWS and n_out % NW == 0)
