@@ -142,6 +142,16 @@ def hsum8(builder, v):
     return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
 
 
+def hsum8_pairs(builder, v, interleaved: bool):
+    """hsum_float_8's tree, ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7)), for the two rows a 512-bit
+    register (V16F) holds at once: lane k of row h is lane 2k+h (interleaved) or 8h+k (halves).
+    Returns the vector whose lane h (interleaved) or 8h (halves) holds row h's sum."""
+    for d in ((8, 4, 2) if interleaved else (4, 2, 1)):
+        swap = ir.Constant(ir.VectorType(i32, 16), [k ^ d for k in range(16)])
+        v = builder.fadd(v, builder.shuffle_vector(v, v, swap))
+    return v
+
+
 def reduce4x8(builder, s):
     """GGML_F32x8_REDUCE of ggml_vec_dot_f16's four accumulators: s0+s2, s1+s3, then their sum,
     then t = lo + hi (4 lanes) and (t0+t1) + (t2+t3)."""

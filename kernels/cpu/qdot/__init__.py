@@ -109,6 +109,7 @@ class Int8Rows:
         return self._derived["biased"]
 
 
+NO_SUMS = np.zeros((0, 0, 16), np.int32)     # tiled16.prompt's 16-element sums, for the types without minimums
 # From this many activation rows on, Q5_0 goes through the unpacked panel kernel (below it the
 # multi-row x8 kernel is faster; README: measured).
 Q5_0_PANEL_MIN_ROWS = 48
@@ -185,7 +186,8 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     if ggml_type in DENSE_TYPES:
         _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
     elif tiled16.wide(ggml_type, w.shape[0], *_run_arrays(runs, M)):
-        tiled16.prompt(ggml_type, w, rows.grouped16(True), rows.lanes16("dx"), rows.lanes16("bs16"), M, out)
+        bs16 = rows.lanes16("bs16") if ggml_type == T.Q2_K else NO_SUMS      # only Q2_K's minimums read them
+        tiled16.prompt(ggml_type, w, rows.grouped16(True), rows.lanes16("dx"), bs16, M, out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_K:
@@ -261,8 +263,8 @@ def matmul_row(layout, ggml_type, q, runs, out):
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
     elif tiled16.wide(ggml_type, layout.shape[0], run_start, run_len, run_batched):
-        tiled16.prompt(ggml_type, layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), rows16.lanes(q.bs16.view(np.int32)),
-                       q.xq.shape[0], out)
+        bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K else NO_SUMS   # only Q2_K's minimums
+        tiled16.prompt(ggml_type, layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:

@@ -29,7 +29,7 @@ from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
 from kernels.cpu.qdot.rows16 import V16F, V16I
 from kernels.cpu.simd import (
-    REGISTERS, V8F, V8H, V8I, array, byte_ptr, c32, c64, call, fma, hsum8, i16, i32, prefetch, reduce4x8, vload,
+    REGISTERS, V8F, V8H, V8I, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i16, i32, prefetch, reduce4x8, vload,
 )
 
 _ELEM_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
@@ -169,13 +169,9 @@ def _dense_tiny512_kernel(ggml_type: int, MR: int, NP: int):
                     for i in range(MR):
                         builder.store(call(builder, "llvm.fma.v16f32", V16F, [wv[i], xv, builder.load(acc[q][i])]), acc[q][i])
 
-            def swap(v, d):
-                return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 16), [k ^ d for k in range(16)]))
             for q in range(NP):
                 for i in range(MR):
-                    t = builder.load(acc[q][i])
-                    for d in (4, 2, 1):                  # hsum: lane k + lane k+4, + k+2, + k+1, each half
-                        t = builder.fadd(t, swap(t, d))
+                    t = hsum8_pairs(builder, builder.load(acc[q][i]), interleaved=False)
                     for h in range(2):
                         row = builder.add(m0v, builder.add(builder.mul(builder.add(p0v, c64(q)), c64(2)), c64(h)))
                         with builder.if_then(builder.icmp_signed("<", row, Mv)):

@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 from kernels import types as T
 from kernels.cpu.qdot.common import NB_PAD, PREFETCH
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, i32, i64, load_as,
+    V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i32, i64, load_as,
     REGISTERS, VNNI, dot4, psign, pshufb, splat, vconst, vload, vstore,
 )
 
@@ -162,13 +162,9 @@ def _q5_0_panel_kernel_512(NR: int, MR: int):
                                            [scale, builder.sitofp(isum, V16F), builder.load(acc)]), acc)
             # hsum_float_8 of both rows at once: lane k + lane k+4, then + lane k+2, then + lane k+1
             # (its tree: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))); row 2p+h's sum lands in lane h
-            def swap(v, d):
-                return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 16), [k ^ d for k in range(16)]))
             for p in range(MP):
                 for j in range(NR):
-                    t = builder.load(accs[p][j])
-                    for d in (8, 4, 2):
-                        t = builder.fadd(t, swap(t, d))
+                    t = hsum8_pairs(builder, builder.load(accs[p][j]), interleaved=True)
                     for h in range(2):
                         i = 2 * p + h
                         with builder.if_then(builder.icmp_signed("<", c64(i), m_valid)):
