@@ -8,8 +8,10 @@ vpaddd. Both give the same integers (the kernels' operands never saturate vpmadd
 and the int32 sums wrap alike), so every variant computes the same bits. `KVCHAT_ISA` forces the choice,
 so that tests can run every variant a machine can execute and a comparison can pin one:
 
-- `native` (the default): every extension this CPU reports; its variant is the best of the three;
-- `avx512vnni`: the same, and the CPU must have AVX-512 VNNI (vpdpbusd, EVEX, on 256-bit registers);
+- `native` (the default): every extension this CPU reports; its variant is the best of the four;
+- `avx512amx`: AVX-512 VNNI, and the K-quants' prompts on AMX tiles (Sapphire Rapids and later;
+  kernels/cpu/qdot/amx.py), where the CPU has AMX-INT8 and Linux grants the tile state;
+- `avx512vnni`: the same without the tiles, and the CPU must have AVX-512 VNNI (vpdpbusd, EVEX);
 - `avxvnni`: AVX2 plus AVX-VNNI (vpdpbusd, VEX: Alder Lake and later, Zen 5), nothing of AVX-512;
 - `avx2`: this CPU's features less everything beyond x86-64-v3, as an AVX2-only CPU (Zen 3) has.
 
@@ -26,7 +28,7 @@ import sys
 from kernels.errors import BadInputError
 
 ISA_ENV = "KVCHAT_ISA"
-CHOICES = ("native", "avx2", "avxvnni", "avx512vnni")
+CHOICES = ("native", "avx2", "avxvnni", "avx512vnni", "avx512amx")
 # x86-64-v3 is AVX2, FMA, F16C, BMI: what an AVX2-only CPU has. Beyond it: the AVX-512 family, the VEX
 # VNNI/IFMA extensions, AMX, and GFNI / VAES / VPCLMULQDQ (which LLVM uses for byte shuffles and
 # shifts; Zen 3 has no GFNI, Haswell none of the three)
@@ -77,10 +79,32 @@ def executable(host: dict[str, bool] | None = None) -> list[str]:
     host = _host_features() if host is None else host
     out = []
     if host.get("avx512vnni") and host.get("avx512vl"):
+        if host.get("amx-int8") and host.get("amx-tile") and amx_permitted():
+            out.append("avx512amx")
         out.append("avx512vnni")
     if host.get("avxvnni"):
         out.append("avxvnni")
     return out + ["avx2"]
+
+
+_AMX_GRANTED: list[bool] = []
+
+
+def amx_permitted() -> bool:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per
+    process: without it the first tile instruction is a SIGILL. Every thread of the process has it
+    once granted. False off Linux, or where the kernel (or a VM) refuses."""
+    if not _AMX_GRANTED:
+        granted = False
+        if sys.platform == "linux":
+            import ctypes
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                granted = libc.syscall(158, 0x1023, 18) == 0     # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+            except (OSError, AttributeError):
+                granted = False
+        _AMX_GRANTED.append(granted)
+    return _AMX_GRANTED[0]
 
 
 def check(isa: str, host: dict[str, bool] | None = None) -> None:
@@ -91,7 +115,8 @@ def check(isa: str, host: dict[str, bool] | None = None) -> None:
 
 
 def variant() -> str:
-    """The kernels' variant in this process: avx512vnni, avxvnni or avx2 (what bench and the X-ray show)."""
+    """The kernels' variant in this process: avx512amx, avx512vnni, avxvnni or avx2 (what bench and
+    the X-ray show)."""
     isa = chosen()
     return executable()[0] if isa == "native" else isa
 

@@ -18,7 +18,8 @@ _llvm.initialize_native_asmparser()      # inline assembly (qdot.q6_k._vpdpwssd)
 _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
 VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit registers (kernels.cpu.isa)
-REGISTERS = 32 if _isa.variant() == "avx512vnni" else 16   # vector registers the kernels' tiles can fill
+REGISTERS = 32 if _isa.variant() in ("avx512vnni", "avx512amx") else 16   # vector registers the kernels' tiles can fill
+AMX = _isa.variant() == "avx512amx"              # the K-quants' prompts on AMX tiles (kernels.cpu.qdot.amx)
 PREFETCH_LOCALITY = 3 if _isa.prefetch_target() == "l1" else 2  # llvm.prefetch's: 3 prefetcht0, 2 prefetcht1
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)

@@ -237,7 +237,7 @@ def test_an_unusable_prefetch_choice_is_one_line_and_exit_2(qwen_path):
 def test_an_unusable_isa_choice_is_one_line_and_exit_2(qwen_path):
     out = run_kvchat("run", "-m", str(qwen_path), "hi", env={"KVCHAT_ISA": "bogus"})
     err = out.stderr.decode()
-    assert out.returncode == 2 and "is not one of native, avx2, avxvnni, avx512vnni" in err, err
+    assert out.returncode == 2 and "is not one of native, avx2, avxvnni, avx512vnni, avx512amx" in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 

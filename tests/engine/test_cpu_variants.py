@@ -76,6 +76,7 @@ def variant_runs():
     for name, extra in VARIANTS.items():
         env = os.environ | extra
         env.pop("NUMBA_CPU_NAME", None), env.pop("NUMBA_CPU_FEATURES", None)   # KVCHAT_ISA decides
+        env.pop("NUMBA_CACHE_DIR", None)       # each variant's own compile cache (core.paths.kernels_fingerprint)
         runs[name] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SUITES],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield runs

@@ -106,13 +106,16 @@ def test_isa_variants_follow_the_cpu_flags():
     zen4 = {**zen3, "avx512f": True, "avx512vl": True, "avx512vnni": True}
     zen5 = {**zen4, "avxvnni": True}
     alder_lake = {**zen3, "avxvnni": True}
+    sapphire_rapids = {**zen5, "amx-int8": True, "amx-tile": True}
     assert isa.executable(zen3) == ["avx2"]
+    # AMX tiles where Linux grants their state to this process (it does on an AMX machine)
+    assert isa.executable(sapphire_rapids) == ["avx512amx"] * isa.amx_permitted() + ["avx512vnni", "avxvnni", "avx2"]
     assert isa.executable(zen4) == ["avx512vnni", "avx2"]
     assert isa.executable(zen5) == ["avx512vnni", "avxvnni", "avx2"]
     assert isa.executable(alder_lake) == ["avxvnni", "avx2"]
     isa.check("avx512vnni", zen4)
     isa.check("native", zen3)
-    for choice, host in (("avxvnni", zen4), ("avx512vnni", alder_lake), ("avx512vnni", zen3)):
+    for choice, host in (("avxvnni", zen4), ("avx512vnni", alder_lake), ("avx512vnni", zen3), ("avx512amx", zen5)):
         with pytest.raises(BadInputError, match="this CPU cannot run it"):
             isa.check(choice, host)
     assert isa.avx2_features("+avx2,+gfni,+avx512f,+avxvnni", keep=("avxvnni",)) == "+avx2,-gfni,-avx512f,+avxvnni"

@@ -143,7 +143,7 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     rows keep the gemv arithmetic) and Q5_0's through the 512-bit panel: the exactness tests above
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
-    each variant)."""
+    each variant). The K-quants' 16-row kernels are AMX tile kernels under avx512amx."""
     wide = qdot.WIDE_PROMPT
     from kernels.cpu.qdot import tiled16
     from kernels.cpu.qdot.q4_k import wide_gemm_rows
@@ -160,6 +160,10 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))
     assert not tiled16.wide(T.Q5_K, 40, *one_run(53)) and not tiled16.wide(T.Q4_K, 40, *one_run(53))
     assert (qdot.q5_0_prompt.py_func.__name__ == "_q5_0_prompt_512") == wide
+    # with AMX tiles (the avx512amx variant) the same rows go through kernels/cpu/qdot/amx.py instead
+    from kernels.cpu import isa
+    assert qdot.AMX == (isa.variant() == "avx512amx")
+    assert (qdot.q4_k_prompt.py_func.__module__ == "kernels.cpu.qdot.amx") == qdot.AMX
 
 
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)

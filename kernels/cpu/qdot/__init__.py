@@ -47,13 +47,13 @@ from kernels.cpu.qdot.act import (_quantize_q8_0, _quantize_q8_0_serial, _quanti
                                   round_activation)
 from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
 from kernels.cpu.qdot.q0 import _q0_x8_rows, q5_0_prompt, q5_0_prompt_operands, repack_q0_x8
-from kernels.cpu.qdot.q4_k import _q4_k_rows, q4_k_prompt, repack_q4_k_x8, wide_gemm_rows
+from kernels.cpu.qdot.q4_k import _q4_k_rows, q4_k_prompt as _q4_k_prompt_512, repack_q4_k_x8, wide_gemm_rows
 from kernels.cpu.qdot.iq4_xs import _iq4_xs_rows
 from kernels.cpu.qdot.q2_k import _q2_k_rows
 from kernels.cpu.qdot.q3_k import _q3_k_rows
 from kernels.cpu.qdot.q5_k import _q5_k_rows
 from kernels.cpu.qdot.q6_k import _q6_k_rows
-from kernels.cpu.qdot import tiled16
+from kernels.cpu.qdot import amx, tiled16
 from kernels.cpu.qdot.tiled16 import WIDE_PROMPT
 from kernels.cpu.qdot import rows16
 from kernels.cpu.simd import HAS_AVX2
@@ -109,6 +109,10 @@ class Int8Rows:
         return self._derived["biased"]
 
 
+# The K-quants' prompt kernels of the chosen variant: on AMX tiles (kernels.cpu.qdot.amx), else the
+# 512-bit 16-row kernels; the same bits either way.
+AMX = amx.AMX
+q4_k_prompt = amx.q4_k_prompt if AMX else _q4_k_prompt_512
 NO_SUMS = np.zeros((0, 0, 16), np.int32)     # tiled16.prompt's 16-element sums, for the types without minimums
 # From this many activation rows on, Q5_0 goes through the unpacked panel kernel (below it the
 # multi-row x8 kernel is faster; README: measured).
@@ -186,8 +190,11 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
     if ggml_type in DENSE_TYPES:
         _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
     elif tiled16.wide(ggml_type, w.shape[0], *_run_arrays(runs, M)):
-        bs16 = rows.lanes16("bs16") if ggml_type == T.Q2_K else NO_SUMS      # only Q2_K's minimums read them
-        tiled16.prompt(ggml_type, w, rows.grouped16(True), rows.lanes16("dx"), bs16, M, out)
+        if AMX:
+            amx.tiled_prompt(ggml_type, w, rows.grouped16(False), rows.lanes16("dx"), M, out)
+        else:
+            bs16 = rows.lanes16("bs16") if ggml_type == T.Q2_K else NO_SUMS      # only Q2_K's minimums read them
+            tiled16.prompt(ggml_type, w, rows.grouped16(True), rows.lanes16("dx"), bs16, M, out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
     elif ggml_type == T.Q5_K:
@@ -263,8 +270,11 @@ def matmul_row(layout, ggml_type, q, runs, out):
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
     elif tiled16.wide(ggml_type, layout.shape[0], run_start, run_len, run_batched):
-        bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K else NO_SUMS   # only Q2_K's minimums
-        tiled16.prompt(ggml_type, layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
+        if AMX:
+            amx.tiled_prompt(ggml_type, layout, rows16.regroup_bytes(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
+        else:
+            bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K else NO_SUMS   # only Q2_K's minimums
+            tiled16.prompt(ggml_type, layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:
