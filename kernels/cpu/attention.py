@@ -30,8 +30,8 @@ from numba import njit, prange
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu import ops
-from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
-                                        scale_max8, widen8, widen_transpose8)
+from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, TB512_RN, WIDE_ATTENTION, pair_rows8, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
+                                        scale_max8, tb512_1x1, tb512_1xn, tb512_2x1, tb512_2xn, widen8, widen_transpose8)
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin, soft_cap
 from kernels.cpu.quant import round_f16
 
@@ -156,40 +156,95 @@ SCORE_BLOCK_BYTES = 16 << 10
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _tile_scores(qbuf, R, hd, kf, kstride, head_off, block_table, bs, pos, lo_pos, k_lo, span, S):
-    """S[i, j - k_lo] = tinyBLAS dot of query row i and key j, for every key a row pair can see
-    (the rest of S stays garbage: _softmax_row masks it). K is widened to float32 once per block
-    of keys (exact), then read by every row pair."""
+def _tile_scores(qbuf, R, hd, kw, pos, lo_pos, k_lo, span, S):
+    """S[i, j - k_lo] = tinyBLAS dot of query row i and key j (kw: the kv head's keys widened to
+    float32, (keys, hd)), for every key a row pair can see (the rest of S stays garbage:
+    _softmax_row masks it). The keys are swept in blocks, each read by every row pair while in L1."""
     kb_len = max(4, SCORE_BLOCK_BYTES // (4 * hd))
-    kbuf = np.empty(kb_len * hd, np.float32)
+    q2 = np.empty(((R + 1) // 2) * 2 * hd if WIDE_ATTENTION else 0, np.float32)
+    if WIDE_ATTENTION:
+        pair_rows8(qbuf, 0, hd, R, hd, q2)
     j_end = pos[R - 1] + 1                              # rows go up in position: the last sees most
     for kb in range(lo_pos[0], j_end, kb_len):
         kb_end = min(j_end, kb + kb_len)
-        for j in range(kb, kb_end):
-            widen8(kf, (block_table[j // bs] * bs + j % bs) * kstride + head_off, kbuf, (j - kb) * hd, hd)
+        if WIDE_ATTENTION:
+            _tile_scores512(q2, R, hd, kw, kb, kb_end, pos, lo_pos, k_lo, span, S)
+            continue
         for i in range(0, R, 2):
             pair = min(2, R - i)
             j = max(lo_pos[i], kb)
             j_hi = min(pos[i + pair - 1], kb_end - 1)
             while j + 4 <= j_hi + 1:
                 if pair == 2:
-                    tb_2x4_f32(qbuf, i * hd, hd, kbuf, (j - kb) * hd, hd, hd, S, i * span + j - k_lo, span)
+                    tb_2x4_f32(qbuf, i * hd, hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span)
                 else:
-                    tb_1x4_f32(qbuf, i * hd, hd, kbuf, (j - kb) * hd, hd, hd, S, i * span + j - k_lo, span)
+                    tb_1x4_f32(qbuf, i * hd, hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span)
                 j += 4
             while j <= j_hi:
                 if pair == 2:
-                    tb_2x1_f32(qbuf, i * hd, hd, kbuf, (j - kb) * hd, hd, hd, S, i * span + j - k_lo, span)
+                    tb_2x1_f32(qbuf, i * hd, hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span)
                 else:
-                    tb_1x1_f32(qbuf, i * hd, hd, kbuf, (j - kb) * hd, hd, hd, S, i * span + j - k_lo, span)
+                    tb_1x1_f32(qbuf, i * hd, hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span)
                 j += 1
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _tile_pv(S, R, span, vt, hd, pos, lo_pos, k_lo, obuf):
-    """obuf[i, e] = tinyBLAS dot of row i's probabilities and V^T row e over the 8-key chunks a
+def _tile_scores512(q2, R, hd, kw, kb, kb_end, pos, lo_pos, k_lo, span, S):
+    """_tile_scores' products for one block of keys on 512-bit registers: groups of 4 query rows
+    (two to a register, q2 from pair_rows8) x TB512_RN keys."""
+    for i in range(0, R, 4):
+        rows = min(4, R - i)
+        j = max(lo_pos[i], kb)
+        j_hi = min(pos[i + rows - 1], kb_end - 1)
+        while j + TB512_RN <= j_hi + 1:
+            if rows > 2:
+                tb512_2xn(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
+            else:
+                tb512_1xn(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
+            j += TB512_RN
+        while j <= j_hi:
+            if rows > 2:
+                tb512_2x1(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
+            else:
+                tb512_1x1(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
+            j += 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _tile_pv512(S, R, span, vt, ld, hd, lo_pos, pos, k_lo, obuf):
+    """_tile_pv on 512-bit registers: the probabilities two rows to a register (pair_rows8), groups
+    of 4 rows x TB512_RN head dims over the 8-key chunks the group sees."""
+    S2 = np.empty(((R + 1) // 2) * 2 * span, np.float32)
+    pair_rows8(S, 0, span, R, span, S2)
+    for i in range(0, R, 4):
+        rows = min(4, R - i)
+        c_lo = (lo_pos[i] - k_lo) // 8 * 8
+        c_hi = min(span, (pos[i + rows - 1] - k_lo) // 8 * 8 + 8)
+        L = c_hi - c_lo
+        e = 0
+        while e + TB512_RN <= hd:
+            if rows > 2:
+                tb512_2xn(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
+            else:
+                tb512_1xn(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
+            e += TB512_RN
+        while e < hd:
+            if rows > 2:
+                tb512_2x1(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
+            else:
+                tb512_1x1(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
+            e += 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _tile_pv(S, R, span, vt, ld, hd, pos, lo_pos, k_lo, obuf):
+    """obuf[i, e] = tinyBLAS dot of row i's probabilities and V^T row e (vt (hd, ld): the kv head's
+    values widened and transposed, keys from 0) over the 8-key chunks a
     group of rows sees (the other chunks hold zero probabilities: leaving them out is exact). Groups
     of 4 rows x 3 head dims (12 accumulators: the fma chains hide their latency), then the rest."""
+    if WIDE_ATTENTION:
+        _tile_pv512(S, R, span, vt, ld, hd, lo_pos, pos, k_lo, obuf)
+        return
     i = 0
     while i < R:
         rows = 4 if i + 4 <= R else min(2, R - i)
@@ -199,31 +254,32 @@ def _tile_pv(S, R, span, vt, hd, pos, lo_pos, k_lo, obuf):
         e = 0
         if rows == 4:
             while e + 3 <= hd:
-                tb_4x3_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+                tb_4x3_f32(S, i * span + c_lo, span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd)
                 e += 3
             for r in range(0, 4, 2):
                 for e1 in range(e, hd):
-                    tb_2x1_f32(S, (i + r) * span + c_lo, span, vt, e1 * span + c_lo, span, L, obuf, (i + r) * hd + e1, hd)
+                    tb_2x1_f32(S, (i + r) * span + c_lo, span, vt, e1 * ld + k_lo + c_lo, ld, L, obuf, (i + r) * hd + e1, hd)
         else:
             while e + 4 <= hd:
                 if rows == 2:
-                    tb_2x4_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+                    tb_2x4_f32(S, i * span + c_lo, span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd)
                 else:
-                    tb_1x4_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+                    tb_1x4_f32(S, i * span + c_lo, span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd)
                 e += 4
             while e < hd:
                 if rows == 2:
-                    tb_2x1_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+                    tb_2x1_f32(S, i * span + c_lo, span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd)
                 else:
-                    tb_1x1_f32(S, i * span + c_lo, span, vt, e * span + c_lo, span, L, obuf, i * hd + e, hd)
+                    tb_1x1_f32(S, i * span + c_lo, span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd)
                 e += 1
         i += rows
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0, t1, out):
+def _prefill_tile(q, kw, vt, ld, Hkv, q_start, scale, softcap, window, kvh, t0, t1, out):
     """Query positions t0..t1-1 of kv head kvh's group (rows (t - t0) * G + g): scores, softmax and
-    P@V with llama.cpp's batched arithmetic. Each row's result depends only on its own scores."""
+    P@V with llama.cpp's batched arithmetic (kw, vt: the kv head's widened K and V^T, _widen_kv).
+    Each row's result depends only on its own scores."""
     T, Hq, hd = q.shape
     G = Hq // Hkv
     R = (t1 - t0) * G
@@ -240,23 +296,11 @@ def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, wind
     k_lo = lo_pos[0] - lo_pos[0] % 8                    # chunks of 8 keys from key 0, as llama.cpp sums them
     k_hi = q_start + t1                                 # one past the last visible key
     span = (k_hi - k_lo + 7) // 8 * 8
-    kstride = Hkv * hd
     S = np.empty(R * span, np.float32)
-    _tile_scores(qbuf, R, hd, kf, kstride, kvh * hd, block_table, bs, pos, lo_pos, k_lo, span, S)
+    _tile_scores(qbuf, R, hd, kw, pos, lo_pos, k_lo, span, S)
     _softmax_rows(S, R, span, k_lo, lo_pos, pos, scale, softcap)
-    vt = np.zeros(hd * span, np.float32)                # V^T of the span; keys past k_hi stay 0
-    j = k_lo
-    while bs % 8 == 0 and j + 8 <= k_hi:                # 8 keys x 8 dims at a time, within one cache block
-        base = (block_table[j // bs] * bs + j % bs) * kstride + kvh * hd
-        for e in range(0, hd, 8):
-            widen_transpose8(vf, base + e, kstride, vt, e * span + j - k_lo, span)
-        j += 8
-    for j in range(j, k_hi):
-        base = (block_table[j // bs] * bs + j % bs) * kstride + kvh * hd
-        for e in range(hd):
-            vt[e * span + j - k_lo] = f16_value(vf[base + e])
     obuf = np.empty(R * hd, np.float32)
-    _tile_pv(S, R, span, vt, hd, pos, lo_pos, k_lo, obuf)
+    _tile_pv(S, R, span, vt, ld, hd, pos, lo_pos, k_lo, obuf)
     for t in range(t0, t1):
         for g in range(G):
             i = (t - t0) * G + g
@@ -264,27 +308,65 @@ def _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, wind
                 out[t, kvh * G + g, e] = obuf[i * hd + e]
 
 
+# The prompt's K and V^T widened to float32 once per kv head, for every query tile to read, at most
+# this many bytes at a time (kv heads in groups; at least one).
+WIDE_KV_BYTES = 64 << 20
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _widen_kv(kf, vf, Hkv, bs, block_table, kvh, c, kw, vt, ld):
+    """Keys 8c .. 8c+7 (those below kw's rows) of kv head kvh from the float16 cache: K rows into kw
+    (keys, hd) and V^T columns into vt (hd, ld), exactly (vt's columns past the keys stay zero)."""
+    NK, hd = kw.shape
+    kstride = Hkv * hd
+    j = 8 * c
+    if bs % 8 == 0 and j + 8 <= NK:                     # 8 keys x 8 dims at a time, within one cache block
+        base = (block_table[j // bs] * bs + j % bs) * kstride + kvh * hd
+        for e in range(0, hd, 8):
+            widen_transpose8(vf, base + e, kstride, vt.reshape(-1), e * ld + j, ld)
+        for r in range(8):
+            widen8(kf, base + r * kstride, kw.reshape(-1), (j + r) * hd, hd)
+        return
+    for jj in range(j, min(j + 8, NK)):
+        base = (block_table[jj // bs] * bs + jj % bs) * kstride + kvh * hd
+        for e in range(hd):
+            x = f16_value(vf[base + e])
+            vt[e, jj] = x
+            kw[jj, e] = f16_value(kf[base + e])
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
-def _prefill(q, k_cache, v_cache, block_table, q_start, scale, softcap, window, q_tile, paired, out):
+def _prefill(q, k_cache, v_cache, block_table, q_start, scale, softcap, window, q_tile, paired, kv_bytes, out):
     """paired: each work item takes query tiles p and n_tiles-1-p of one kv head. Under the causal
     mask a tile's cost grows with its position, so the threads' contiguous shares of the work
-    items then cost the same."""
-    T = q.shape[0]
+    items then cost the same. K and V^T are widened once per kv head (not once per tile: each
+    tile reads all the keys before it), for as many kv heads at a time as kv_bytes holds."""
+    T, _, hd = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     kf, vf = k_cache.reshape(-1), v_cache.reshape(-1)
+    NK = q_start + T
+    ld = (NK + 7) // 8 * 8
+    HG = max(1, min(Hkv, kv_bytes // (8 * ld * hd)))
+    kw = np.empty((HG, NK, hd), np.float32)
+    vt = np.zeros((HG, hd, ld), np.float32)
     n_tiles = (T + q_tile - 1) // q_tile
     n_items = (n_tiles + 1) // 2 if paired else n_tiles
-    for w in prange(Hkv * n_items):
-        kvh = w // n_items
-        tile = w % n_items
-        t0 = tile * q_tile
-        _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0, min(T, t0 + q_tile),
-                      out)
-        mirror = n_tiles - 1 - tile
-        if paired and mirror != tile:
-            t0 = mirror * q_tile
-            _prefill_tile(q, kf, vf, Hkv, bs, block_table, q_start, scale, softcap, window, kvh, t0,
+    for h0 in range(0, Hkv, HG):
+        nh = min(HG, Hkv - h0)
+        n_chunks = ld // 8
+        for w in prange(nh * n_chunks):
+            _widen_kv(kf, vf, Hkv, bs, block_table, h0 + w // n_chunks, w % n_chunks, kw[w // n_chunks], vt[w // n_chunks], ld)
+        for w in prange(nh * n_items):
+            h = w // n_items
+            tile = w % n_items
+            t0 = tile * q_tile
+            _prefill_tile(q, kw[h].reshape(-1), vt[h].reshape(-1), ld, Hkv, q_start, scale, softcap, window, h0 + h, t0,
                           min(T, t0 + q_tile), out)
+            mirror = n_tiles - 1 - tile
+            if paired and mirror != tile:
+                t0 = mirror * q_tile
+                _prefill_tile(q, kw[h].reshape(-1), vt[h].reshape(-1), ld, Hkv, q_start, scale, softcap, window, h0 + h, t0,
+                              min(T, t0 + q_tile), out)
 
 
 _prefill_serial = serial_twin(_prefill)
@@ -333,11 +415,12 @@ def _check_softmax(softmax: str) -> None:
 
 
 def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: float, window: int = 0,
-                      q_tile: int = 0, softmax: str = "llama.cpp", softcap: float = 0.0):
+                      q_tile: int = 0, softmax: str = "llama.cpp", softcap: float = 0.0, kv_bytes: int = WIDE_KV_BYTES):
     """q (T, Hq, hd) at positions q_start.. over keys 0..q_start+T-1 already in the cache -> (T, Hq, hd).
 
     softmax: "llama.cpp" (its rounding, see the module doc) or "online" (flash attention with a
-    running max and sum in float32, attention_online). softcap: gemma2's score soft-capping (0: none)."""
+    running max and sum in float32, attention_online). softcap: gemma2's score soft-capping (0: none).
+    kv_bytes: the float32 copies of K and V^T the exact kernel makes at a time (WIDE_KV_BYTES)."""
     _check_softmax(softmax)
     q = np.ascontiguousarray(q, np.float32)
     _check_cache(q, k_cache, v_cache, block_table, q_start + q.shape[0])
@@ -352,8 +435,12 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
                   else pick(_prefill, _prefill_serial, work))
         n_tiles = -(-q.shape[0] // q_tile)
         paired = k_cache.shape[2] * ((n_tiles + 1) // 2) >= numba.get_num_threads()
-        kernel(q, k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
-               int(q_start), np.float32(scale), np.float32(softcap), int(window), int(q_tile), paired, out)
+        args = (q, k_cache.view(np.uint16), v_cache.view(np.uint16), np.ascontiguousarray(block_table, np.int32),
+                int(q_start), np.float32(scale), np.float32(softcap), int(window), int(q_tile), paired)
+        if online:
+            kernel(*args, out)
+        else:
+            kernel(*args, int(kv_bytes), out)
     return out
 
 

@@ -12,11 +12,13 @@ These kernels give every output exactly that chain, so the results equal llama.c
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import V8F, V8H, array, as_i64, c32, c64, fma, hsum8, reduce4x8, splat, vload, vstore
+from kernels.cpu.simd import REGISTERS, V8F, V8H, array, as_i64, c32, c64, call, fma, hsum8, hsum8_pairs, reduce4x8, splat, vload, vstore
+
+V16F = ir.VectorType(ir.FloatType(), 16)
 
 
 def _load8(builder, base, idx, is_f16):
@@ -89,6 +91,116 @@ def _tb_kernel(RM: int, RN: int):
 # scores: A = the tile's queries, B = a block of K rows widened to float32; P.V: A = probabilities, B = V^T.
 tb_2x4_f32, tb_1x4_f32, tb_2x1_f32, tb_1x1_f32 = (_tb_kernel(m, n) for m, n in ((2, 4), (1, 4), (2, 1), (1, 1)))
 tb_4x3_f32 = _tb_kernel(4, 3)
+
+
+# --- the same dots on 512-bit registers: two rows of A per register -------------------------------
+# With AVX-512 (32 registers) a tile holds two A rows per register (lanes 0-7 row 2p, 8-15 row 2p+1,
+# from pair_rows8) and each 8 floats of a B row broadcast into both halves: every output keeps its
+# 8-lane fma chain and hsum_float_8, both halves at once (simd.hsum8_pairs), as the dense types'
+# 512-bit tiles do (kernels/cpu/qdot/dense.py).
+WIDE_ATTENTION = REGISTERS == 32
+TB512_RN = 8
+
+
+def _shuffle16(builder, a, b, mask8):
+    """_shuffle8's mask applied in each 256-bit half of two V16F (the halves are two rows' vectors)."""
+    m = [(x if x < 8 else 8 + x) + 8 * h for h in range(2) for x in mask8]
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 16), m))
+
+
+def _hsum8_x8_pairs(builder, accs):
+    """_hsum8_x8 in each half of 8 V16F accumulators (two rows each): lanes 0-7 hold row 0's 8 sums,
+    lanes 8-15 row 1's, each the same adds as hsum8."""
+    u = [builder.fadd(_shuffle16(builder, accs[k], accs[k + 1], [4, 5, 6, 7, 12, 13, 14, 15]),
+                      _shuffle16(builder, accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11])) for k in range(0, 8, 2)]
+    w = [builder.fadd(_shuffle16(builder, u[k], u[k + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
+                      _shuffle16(builder, u[k], u[k + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for k in (0, 2)]
+    x = builder.fadd(_shuffle16(builder, w[0], w[1], [0, 2, 8, 10, 4, 6, 12, 14]),
+                     _shuffle16(builder, w[0], w[1], [1, 3, 9, 11, 5, 7, 13, 15]))
+    return _shuffle16(builder, x, x, [0, 4, 1, 5, 2, 6, 3, 7])
+
+
+def _tb512_kernel(RP: int, RN: int):
+    """kern(A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows): C[ic + (2p+h)*ldr + j] = tinyBLAS dot
+    of row 2p+h of A and row j of B (B[ib + j*ldb : +L]) for p < RP, h < 2 (rows below n_rows),
+    j < RN. A2: pair_rows8's layout, pair p's 16 floats for elements 8l..8l+7 at
+    A2[ia + p*pstride + 16l]; L % 8 == 0. With RN = 8 the hsums of a pair's 8 outputs are done
+    together (_hsum8_x8_pairs) and stored as one vector per row."""
+
+    def kern(typingctx, A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows):
+        sig = types.void(A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows)
+
+        def codegen(context, builder, signature, args):
+            aa, ba, ca = (array(context, builder, signature.args[k], args[k]) for k in (0, 3, 7))
+            ia, ps, ib, ldb, L, ic, ldr, nr = (as_i64(builder, args[k]) for k in (1, 2, 4, 5, 6, 8, 9, 10))
+            arow = [builder.add(ia, builder.mul(c64(p), ps)) for p in range(RP)]
+            brow = [builder.add(ib, builder.mul(c64(j), ldb)) for j in range(RN)]
+            zero = ir.Constant(V16F, [0.0] * 16)
+            twice = ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(8)) * 2)
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(RN)] for _ in range(RP)]
+            with cgutils.for_range_slice(builder, c64(0), L, c64(8)) as (l, _):
+                av = [vload(builder, builder.gep(aa.data, [builder.add(arow[p], builder.add(l, l))]), V16F) for p in range(RP)]
+                for j in range(RN):
+                    b8 = _load8(builder, ba.data, builder.add(brow[j], l), False)
+                    bv = builder.shuffle_vector(b8, b8, twice)
+                    for p in range(RP):
+                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [av[p], bv, builder.load(acc[p][j])]), acc[p][j])
+            for p in range(RP):
+                if RN == 8:
+                    t = _hsum8_x8_pairs(builder, [builder.load(acc[p][j]) for j in range(8)])
+                    for h in range(2):
+                        row = c64(2 * p + h)
+                        with builder.if_then(builder.icmp_signed("<", row, nr)):
+                            half = builder.shuffle_vector(t, t, ir.Constant(ir.VectorType(ir.IntType(32), 8), list(range(8 * h, 8 * h + 8))))
+                            vstore(builder, half, builder.gep(ca.data, [builder.add(ic, builder.mul(row, ldr))]))
+                    continue
+                for j in range(RN):
+                    t = hsum8_pairs(builder, builder.load(acc[p][j]), interleaved=False)
+                    for h in range(2):
+                        row = c64(2 * p + h)
+                        with builder.if_then(builder.icmp_signed("<", row, nr)):
+                            idx = builder.add(ic, builder.add(builder.mul(row, ldr), c64(j)))
+                            builder.store(builder.extract_element(t, c32(8 * h)), builder.gep(ca.data, [idx]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"tb512_{RP}x{RN}_f32"
+    return intrinsic(kern)
+
+
+if WIDE_ATTENTION:
+    tb512_2xn, tb512_1xn, tb512_2x1, tb512_1x1 = (_tb512_kernel(p, n) for p, n in ((2, TB512_RN), (1, TB512_RN), (2, 1), (1, 1)))
+else:                        # never called there (attention.py checks WIDE_ATTENTION); compiled, so defined
+    @njit(cache=True)
+    def _no_tb512(A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows):
+        raise RuntimeError("the 512-bit attention tiles need AVX-512")
+
+    tb512_2xn = tb512_1xn = tb512_2x1 = tb512_1x1 = _no_tb512
+
+
+@intrinsic
+def pair_rows8(typingctx, A, ia, lda, n_rows, L, A2):
+    """A2[p*2L + 16l + 8h + e] = A[ia + (2p+h)*lda + 8l + e] for the rows below n_rows (zeros for the
+    odd row's partner), l < L/8, e < 8: rows of A two to a 512-bit register (_tb512_kernel's A2)."""
+    sig = types.void(A, ia, lda, n_rows, L, A2)
+
+    def codegen(context, builder, signature, args):
+        aa, da = array(context, builder, signature.args[0], args[0]), array(context, builder, signature.args[5], args[5])
+        ia, lda, nr, L = (as_i64(builder, args[k]) for k in (1, 2, 3, 4))
+        zero = ir.Constant(V8F, [0.0] * 8)
+        with cgutils.for_range(builder, builder.sdiv(builder.add(nr, c64(1)), c64(2))) as pl:
+            p = pl.index
+            second = builder.icmp_signed("<", builder.add(builder.add(p, p), c64(1)), nr)
+            with cgutils.for_range_slice(builder, c64(0), L, c64(8)) as (l, _):
+                src = builder.add(ia, builder.add(builder.mul(builder.add(p, p), lda), l))
+                lo = _load8(builder, aa.data, src, False)
+                hi = builder.select(second, _load8(builder, aa.data, builder.select(second, builder.add(src, lda), src), False), zero)
+                dst = builder.gep(da.data, [builder.add(builder.mul(p, builder.add(L, L)), builder.add(l, l))])
+                vstore(builder, builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(16)))), dst)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @intrinsic

@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 from kernels.cpu.activations import _round_to_f16
-from kernels.cpu.attention import (_decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
+from kernels.cpu.attention import (WIDE_KV_BYTES, _decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
                                    _write_kv_slots_serial)
 from kernels.cpu.attention_online import decode_partial, decode_partial_v, merge_splits, prefill_online
 from kernels.cpu.ops import (_geglu_tanh, _geglu_tanh_serial, _rms_norm, _rms_norm_serial, _rope, _rope_serial, _swiglu,
@@ -214,7 +214,7 @@ def _attend(w, k_cache, v_cache, plan, b):
                            q_tile, paired != 0, out)
         else:
             _prefill(q, k_cache, v_cache, plan.seg_tables[s], start, w.kq_scale, w.softcap, plan.window, q_tile,
-                     paired != 0, out)
+                     paired != 0, WIDE_KV_BYTES, out)
         b.att[r0:r0 + n] = out
 
 

@@ -149,6 +149,19 @@ def test_prefill_tile_size_does_not_change_result(q_tile, window, softmax):
     _check(got, q, k, v, 20, 0.125, window, softmax)
 
 
+def test_prefill_kv_heads_widened_in_groups_give_the_same_bits():
+    """The exact kernel widens K and V^T for as many kv heads at a time as kv_bytes allows: one head
+    at a time (a long prompt of a model with many kv heads) gives the numbers all heads at once do."""
+    rng = np.random.default_rng(5)
+    k_cache, v_cache, table, k, v = _cache(90, 4, 64, 16, rng)
+    write_kv(k_cache, v_cache, table, 0, k, v)
+    q = round_to_f16(rng.standard_normal((40, 8, 64)).astype(np.float32))
+    whole = attention_prefill(q, k_cache, v_cache, table, 50, 0.125, 0)
+    one_head = attention_prefill(q, k_cache, v_cache, table, 50, 0.125, 0, kv_bytes=1)
+    np.testing.assert_array_equal(one_head, whole)
+    _check(one_head, q, k, v, 50, 0.125, 0, "llama.cpp")
+
+
 @pytest.mark.parametrize("softmax", SOFTMAXES)
 @pytest.mark.parametrize("window", [0, 8, 21])
 @pytest.mark.parametrize("split", [(1,) * 6, (2, 3, 1), (6,)])
