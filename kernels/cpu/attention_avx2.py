@@ -31,20 +31,21 @@ def _shuffle8(builder, a, b, mask):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
 
 
-def _hsum8_x8(builder, accs):
+def _hsum8_x8(builder, accs, shuffle=_shuffle8):
     """hsum8 of 8 vectors at once -> one vector (lane k: hsum8(accs[k])), with the same adds:
     r = hi + lo half, then (r0 + r2) + (r1 + r3), computed on vectors that hold several outputs'
-    partial sums after 128-bit permutes and in-lane shuffles (fewer shuffles than 8 separate hsums)."""
-    u = [builder.fadd(_shuffle8(builder, accs[k], accs[k + 1], [4, 5, 6, 7, 12, 13, 14, 15]),
-                      _shuffle8(builder, accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11])) for k in range(0, 8, 2)]
+    partial sums after 128-bit permutes and in-lane shuffles (fewer shuffles than 8 separate hsums).
+    shuffle=_shuffle16: the same in each 256-bit half of V16F accumulators (two rows each)."""
+    u = [builder.fadd(shuffle(builder, accs[k], accs[k + 1], [4, 5, 6, 7, 12, 13, 14, 15]),
+                      shuffle(builder, accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11])) for k in range(0, 8, 2)]
     # u[p]: [r0..r3 of accs[2p] | r0..r3 of accs[2p+1]]
-    w = [builder.fadd(_shuffle8(builder, u[k], u[k + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
-                      _shuffle8(builder, u[k], u[k + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for k in (0, 2)]
+    w = [builder.fadd(shuffle(builder, u[k], u[k + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
+                      shuffle(builder, u[k], u[k + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for k in (0, 2)]
     # w[0]: [r0+r2, r1+r3 of accs 0, 2 | of accs 1, 3]; w[1]: the same for accs 4, 6 | 5, 7
-    x = builder.fadd(_shuffle8(builder, w[0], w[1], [0, 2, 8, 10, 4, 6, 12, 14]),
-                     _shuffle8(builder, w[0], w[1], [1, 3, 9, 11, 5, 7, 13, 15]))
+    x = builder.fadd(shuffle(builder, w[0], w[1], [0, 2, 8, 10, 4, 6, 12, 14]),
+                     shuffle(builder, w[0], w[1], [1, 3, 9, 11, 5, 7, 13, 15]))
     # x: accs 0, 2, 4, 6 | 1, 3, 5, 7
-    return _shuffle8(builder, x, x, [0, 4, 1, 5, 2, 6, 3, 7])
+    return shuffle(builder, x, x, [0, 4, 1, 5, 2, 6, 3, 7])
 
 
 def _tb_kernel(RM: int, RN: int):
@@ -108,24 +109,12 @@ def _shuffle16(builder, a, b, mask8):
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 16), m))
 
 
-def _hsum8_x8_pairs(builder, accs):
-    """_hsum8_x8 in each half of 8 V16F accumulators (two rows each): lanes 0-7 hold row 0's 8 sums,
-    lanes 8-15 row 1's, each the same adds as hsum8."""
-    u = [builder.fadd(_shuffle16(builder, accs[k], accs[k + 1], [4, 5, 6, 7, 12, 13, 14, 15]),
-                      _shuffle16(builder, accs[k], accs[k + 1], [0, 1, 2, 3, 8, 9, 10, 11])) for k in range(0, 8, 2)]
-    w = [builder.fadd(_shuffle16(builder, u[k], u[k + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
-                      _shuffle16(builder, u[k], u[k + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for k in (0, 2)]
-    x = builder.fadd(_shuffle16(builder, w[0], w[1], [0, 2, 8, 10, 4, 6, 12, 14]),
-                     _shuffle16(builder, w[0], w[1], [1, 3, 9, 11, 5, 7, 13, 15]))
-    return _shuffle16(builder, x, x, [0, 4, 1, 5, 2, 6, 3, 7])
-
-
 def _tb512_kernel(RP: int, RN: int):
     """kern(A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows): C[ic + (2p+h)*ldr + j] = tinyBLAS dot
     of row 2p+h of A and row j of B (B[ib + j*ldb : +L]) for p < RP, h < 2 (rows below n_rows),
     j < RN. A2: pair_rows8's layout, pair p's 16 floats for elements 8l..8l+7 at
     A2[ia + p*pstride + 16l]; L % 8 == 0. With RN = 8 the hsums of a pair's 8 outputs are done
-    together (_hsum8_x8_pairs) and stored as one vector per row."""
+    together (_hsum8_x8 in each half) and stored as one vector per row."""
 
     def kern(typingctx, A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows):
         sig = types.void(A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows)
@@ -147,7 +136,7 @@ def _tb512_kernel(RP: int, RN: int):
                         builder.store(call(builder, "llvm.fma.v16f32", V16F, [av[p], bv, builder.load(acc[p][j])]), acc[p][j])
             for p in range(RP):
                 if RN == 8:
-                    t = _hsum8_x8_pairs(builder, [builder.load(acc[p][j]) for j in range(8)])
+                    t = _hsum8_x8(builder, [builder.load(acc[p][j]) for j in range(8)], _shuffle16)
                     for h in range(2):
                         row = c64(2 * p + h)
                         with builder.if_then(builder.icmp_signed("<", row, nr)):

@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 from kernels import types as T
 from kernels.cpu.qdot.q4_k import Q4K_X8_BYTES
 from kernels.cpu.qdot.rows16 import V16F, V16I, V32S
-from kernels.cpu.qdot.tiled16 import iq4_xs_unpack16, q2_k_unpack16, q3_k_unpack16, q6_k_unpack16
+from kernels.cpu.qdot.tiled16 import unpack16
 from kernels.cpu.simd import AMX, V32B, array, byte_ptr, c32, c64, call, f16, f32, i8, i32, load_as, splat, vload, vstore
 
 PANEL_BYTES = 1 << 19          # a panel's unpacked parts stay in L2 beside two groups of activation rows
@@ -447,14 +447,7 @@ def _tiled_prompt(ggml_type, w, xg, dxg, M, out):
             ap = np.empty((PB, ns, 4, 2, 16, 64), np.uint8)
             if nr < 16 * PB:
                 ap[nr // 16:] = 0                               # rows past nr stay zero
-            if ggml_type == T.Q6_K:
-                q6_k_unpack16(ws, r0, nr, wps, dwp, dmp, mns)
-            elif ggml_type == T.Q3_K:
-                q3_k_unpack16(ws, r0, nr, wps, dwp, dmp, mns)
-            elif ggml_type == T.Q2_K:
-                q2_k_unpack16(ws, r0, nr, wps, dwp, dmp, mns)
-            else:
-                iq4_xs_unpack16(ws, r0, nr, wps, dwp, dmp, mns)
+            unpack16(ggml_type, ws, r0, nr, wps, dwp, dmp, mns)
             if mins:
                 tiled_parts_mins(wps, mns, nr, ap)
             else:

@@ -160,6 +160,19 @@ if WIDE_PROMPT:
     tile16_2m, tile16_1m = _tile16(NW, 2, True), _tile16(NW, 1, True)
 
 
+@njit(cache=True, inline="always")
+def unpack16(ggml_type, w, r0, n_rows, wp, dwp, dmp, mnp):
+    """The unpacker of ggml_type (Q6_K, Q3_K, Q2_K, or IQ4_XS): see lane_unpack16."""
+    if ggml_type == T.Q6_K:
+        q6_k_unpack16(w, r0, n_rows, wp, dwp, dmp, mnp)
+    elif ggml_type == T.Q3_K:
+        q3_k_unpack16(w, r0, n_rows, wp, dwp, dmp, mnp)
+    elif ggml_type == T.Q2_K:
+        q2_k_unpack16(w, r0, n_rows, wp, dwp, dmp, mnp)
+    else:
+        iq4_xs_unpack16(w, r0, n_rows, wp, dwp, dmp, mnp)
+
+
 @njit(cache=True)
 def wide(ggml_type, n_out, run_start, run_len, run_batched):
     """Does a product take these kernels? Q6_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt) of
@@ -186,14 +199,7 @@ def _prompt(ggml_type, w, x16, dx16, bs16, M, out):
         dwp = np.empty((P, nb), np.float32)
         dmp = np.empty((P, nb), np.float32)
         mnp = np.empty((P, nb, 16), np.int16)
-        if ggml_type == T.Q6_K:
-            q6_k_unpack16(w, r0, nr, wp, dwp, dmp, mnp)
-        elif ggml_type == T.Q3_K:
-            q3_k_unpack16(w, r0, nr, wp, dwp, dmp, mnp)
-        elif ggml_type == T.Q2_K:
-            q2_k_unpack16(w, r0, nr, wp, dwp, dmp, mnp)
-        else:
-            iq4_xs_unpack16(w, r0, nr, wp, dwp, dmp, mnp)
+        unpack16(ggml_type, w, r0, nr, wp, dwp, dmp, mnp)
         g = 0
         while g + 2 <= G:
             for j0 in range(0, nr, NW):
