@@ -5,8 +5,10 @@ Exit codes: 0 ok, 2 bad input (one line on stderr, no traceback), 130 interrupte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 
@@ -240,6 +242,27 @@ def load_engine(args, model: str | None = None):
                            **kv_disk_from_args(args))
 
 
+@contextlib.contextmanager
+def ctrl_c_cancels(cancel: threading.Event):
+    """While a reply streams, the first Ctrl-C sets `cancel`: generation stops at its next token
+    and what streamed is kept; a second one interrupts at once (KeyboardInterrupt). Why a flag and
+    not Python's KeyboardInterrupt: raised while llama.cpp runs one of its Python callbacks (its log
+    hook), the exception is swallowed there and the reply went on streaming."""
+    def handler(signum, frame):
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def cmd_run(args) -> int:
     from core.attachments import check_message_fits, compose_message, read_attachment
     from core.chat_session import fit_prompt
@@ -271,14 +294,16 @@ def cmd_run(args) -> int:
     interrupted = False
     failed: BadInputError | None = None
     try:
-        for event in engine.generate(ids, params, cancel, speculative):
-            if event.id >= 0:
-                tokens.append(event.id)
-            if event.text:
-                pieces.append(event.text)
-                if not args.json:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
+        with ctrl_c_cancels(cancel):
+            for event in engine.generate(ids, params, cancel, speculative):
+                if event.id >= 0:
+                    tokens.append(event.id)
+                if event.text:
+                    pieces.append(event.text)
+                    if not args.json:
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+        interrupted = cancel.is_set()
     except KeyboardInterrupt:
         interrupted = True
         engine.backend.finish_reason = "cancelled"
