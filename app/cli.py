@@ -248,7 +248,7 @@ def ctrl_c_cancels(cancel: threading.Event):
     and what streamed is kept; a second one interrupts at once (KeyboardInterrupt). Why a flag and
     not Python's KeyboardInterrupt: raised while llama.cpp runs one of its Python callbacks (its log
     hook), the exception is swallowed there and the reply went on streaming."""
-    def handler(signum, frame):
+    def handler(_signum, _frame):
         if cancel.is_set():
             raise KeyboardInterrupt
         cancel.set()
