@@ -28,20 +28,17 @@ def data_dir() -> Path:
 
 
 def kernels_fingerprint() -> str:
-    """Hash of the numba kernels' sources (kernels/cpu/**/*.py, kernels/types.py), KVCHAT_PREFETCH,
-    KVCHAT_ISA and numba's version. numba's own cache notices when the file of a compiled function changes, not
-    when a helper it inlines from another module does (ops.ggml_expf inside the attention kernels),
-    nor a choice compiled in from the environment: a new fingerprint is a fresh cache."""
+    """Hash of the numba kernels' sources (kernels/cpu/**/*.py, kernels/types.py) and numba's version.
+    numba's own cache notices when the file of a compiled function changes, not when a helper it
+    inlines from another module does (ops.ggml_expf inside the attention kernels): a new fingerprint
+    is a fresh cache. (The choices compiled in from the environment, KVCHAT_ISA and KVCHAT_PREFETCH,
+    each get a subfolder of it: kernels.cpu.isa.)"""
     from importlib import metadata
 
     h = hashlib.sha256()
     kernels = Path(__file__).resolve().parent.parent / "kernels"
     for f in [kernels / "types.py", *sorted((kernels / "cpu").rglob("*.py"))]:   # types: constants they compile in
         h.update(str(f.relative_to(kernels)).encode() + b"\0" + f.read_bytes())
-    h.update(os.environ.get("KVCHAT_PREFETCH", "").encode())   # compiled in (kernels.cpu.isa.prefetch_target)
-    # compiled in too (kernels.cpu.simd.AMX picks the tile kernels), and invisible to numba's cache
-    # index where two variants share the CPU's features (avx512amx and avx512vnni)
-    h.update(b"\0" + (os.environ.get("KVCHAT_ISA", "").strip().lower() or "native").encode())
     try:
         h.update(metadata.version("numba").encode())
     except metadata.PackageNotFoundError:

@@ -30,10 +30,11 @@ from numba import njit, prange
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu import ops
-from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, TB512_RN, WIDE_ATTENTION, pair_rows8, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
+from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, TB512_RN, pair_rows8, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
                                         scale_max8, tb512_1x1, tb512_1xn, tb512_2x1, tb512_2xn, widen8, widen_transpose8)
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin, soft_cap
 from kernels.cpu.quant import round_f16
+from kernels.cpu.simd import WIDE
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _write_kv(k_cache, v_cache, block_table, start_pos, k, v):
@@ -161,13 +162,13 @@ def _tile_scores(qbuf, R, hd, kw, pos, lo_pos, k_lo, span, S):
     float32, (keys, hd)), for every key a row pair can see (the rest of S stays garbage:
     _softmax_row masks it). The keys are swept in blocks, each read by every row pair while in L1."""
     kb_len = max(4, SCORE_BLOCK_BYTES // (4 * hd))
-    q2 = np.empty(((R + 1) // 2) * 2 * hd if WIDE_ATTENTION else 0, np.float32)
-    if WIDE_ATTENTION:
+    q2 = np.empty(((R + 1) // 2) * 2 * hd if WIDE else 0, np.float32)
+    if WIDE:
         pair_rows8(qbuf, 0, hd, R, hd, q2)
     j_end = pos[R - 1] + 1                              # rows go up in position: the last sees most
     for kb in range(lo_pos[0], j_end, kb_len):
         kb_end = min(j_end, kb + kb_len)
-        if WIDE_ATTENTION:
+        if WIDE:
             _tile_scores512(q2, R, hd, kw, kb, kb_end, pos, lo_pos, k_lo, span, S)
             continue
         for i in range(0, R, 2):
@@ -189,51 +190,46 @@ def _tile_scores(qbuf, R, hd, kw, pos, lo_pos, k_lo, span, S):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def _tb512_sweep(A2, ia, pstride, B, ib, ldb, L, C, ic, ldc, rows, n):
+    """A group of `rows` <= 4 paired rows (A2 from pair_rows8) times n rows of B (ib, ib + ldb, ...)
+    on 512-bit registers, into C's columns ic .. ic + n - 1: TB512_RN of B's rows at a time, then one."""
+    c = 0
+    while c + TB512_RN <= n:
+        if rows > 2:
+            tb512_2xn(A2, ia, pstride, B, ib + c * ldb, ldb, L, C, ic + c, ldc, rows)
+        else:
+            tb512_1xn(A2, ia, pstride, B, ib + c * ldb, ldb, L, C, ic + c, ldc, rows)
+        c += TB512_RN
+    while c < n:
+        if rows > 2:
+            tb512_2x1(A2, ia, pstride, B, ib + c * ldb, ldb, L, C, ic + c, ldc, rows)
+        else:
+            tb512_1x1(A2, ia, pstride, B, ib + c * ldb, ldb, L, C, ic + c, ldc, rows)
+        c += 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _tile_scores512(q2, R, hd, kw, kb, kb_end, pos, lo_pos, k_lo, span, S):
     """_tile_scores' products for one block of keys on 512-bit registers: groups of 4 query rows
-    (two to a register, q2 from pair_rows8) x TB512_RN keys."""
+    (two to a register, q2 from pair_rows8) x the keys of the block each group sees."""
     for i in range(0, R, 4):
         rows = min(4, R - i)
         j = max(lo_pos[i], kb)
         j_hi = min(pos[i + rows - 1], kb_end - 1)
-        while j + TB512_RN <= j_hi + 1:
-            if rows > 2:
-                tb512_2xn(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
-            else:
-                tb512_1xn(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
-            j += TB512_RN
-        while j <= j_hi:
-            if rows > 2:
-                tb512_2x1(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
-            else:
-                tb512_1x1(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows)
-            j += 1
+        _tb512_sweep(q2, i * hd, 2 * hd, kw, j * hd, hd, hd, S, i * span + j - k_lo, span, rows, j_hi + 1 - j)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _tile_pv512(S, R, span, vt, ld, hd, lo_pos, pos, k_lo, obuf):
+def _tile_pv512(S, R, span, vt, ld, hd, pos, lo_pos, k_lo, obuf):
     """_tile_pv on 512-bit registers: the probabilities two rows to a register (pair_rows8), groups
-    of 4 rows x TB512_RN head dims over the 8-key chunks the group sees."""
+    of 4 rows x every head dim over the 8-key chunks the group sees."""
     S2 = np.empty(((R + 1) // 2) * 2 * span, np.float32)
     pair_rows8(S, 0, span, R, span, S2)
     for i in range(0, R, 4):
         rows = min(4, R - i)
         c_lo = (lo_pos[i] - k_lo) // 8 * 8
         c_hi = min(span, (pos[i + rows - 1] - k_lo) // 8 * 8 + 8)
-        L = c_hi - c_lo
-        e = 0
-        while e + TB512_RN <= hd:
-            if rows > 2:
-                tb512_2xn(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
-            else:
-                tb512_1xn(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
-            e += TB512_RN
-        while e < hd:
-            if rows > 2:
-                tb512_2x1(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
-            else:
-                tb512_1x1(S2, i * span + 2 * c_lo, 2 * span, vt, e * ld + k_lo + c_lo, ld, L, obuf, i * hd + e, hd, rows)
-            e += 1
+        _tb512_sweep(S2, i * span + 2 * c_lo, 2 * span, vt, k_lo + c_lo, ld, c_hi - c_lo, obuf, i * hd, hd, rows, hd)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -242,8 +238,8 @@ def _tile_pv(S, R, span, vt, ld, hd, pos, lo_pos, k_lo, obuf):
     values widened and transposed, keys from 0) over the 8-key chunks a
     group of rows sees (the other chunks hold zero probabilities: leaving them out is exact). Groups
     of 4 rows x 3 head dims (12 accumulators: the fma chains hide their latency), then the rest."""
-    if WIDE_ATTENTION:
-        _tile_pv512(S, R, span, vt, ld, hd, lo_pos, pos, k_lo, obuf)
+    if WIDE:
+        _tile_pv512(S, R, span, vt, ld, hd, pos, lo_pos, k_lo, obuf)
         return
     i = 0
     while i < R:
@@ -316,7 +312,8 @@ WIDE_KV_BYTES = 64 << 20
 @njit(cache=True, error_model="numpy", inline="always")
 def _widen_kv(kf, vf, Hkv, bs, block_table, kvh, c, kw, vt, ld):
     """Keys 8c .. 8c+7 (those below kw's rows) of kv head kvh from the float16 cache: K rows into kw
-    (keys, hd) and V^T columns into vt (hd, ld), exactly (vt's columns past the keys stay zero)."""
+    (keys, hd) and V^T columns into vt (hd, ld), exactly; the last chunk also zeroes vt's columns
+    past the keys (P.V's 8-key steps read them, times probabilities of zero)."""
     NK, hd = kw.shape
     kstride = Hkv * hd
     j = 8 * c
@@ -333,6 +330,8 @@ def _widen_kv(kf, vf, Hkv, bs, block_table, kvh, c, kw, vt, ld):
             x = f16_value(vf[base + e])
             vt[e, jj] = x
             kw[jj, e] = f16_value(kf[base + e])
+    for jj in range(NK, min(j + 8, ld)):
+        vt[:, jj] = 0.0
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -348,7 +347,7 @@ def _prefill(q, k_cache, v_cache, block_table, q_start, scale, softcap, window, 
     ld = (NK + 7) // 8 * 8
     HG = max(1, min(Hkv, kv_bytes // (8 * ld * hd)))
     kw = np.empty((HG, NK, hd), np.float32)
-    vt = np.zeros((HG, hd, ld), np.float32)
+    vt = np.empty((HG, hd, ld), np.float32)
     n_tiles = (T + q_tile - 1) // q_tile
     n_items = (n_tiles + 1) // 2 if paired else n_tiles
     for h0 in range(0, Hkv, HG):

@@ -12,13 +12,13 @@ These kernels give every output exactly that chain, so the results equal llama.c
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import REGISTERS, V8F, V8H, array, as_i64, c32, c64, call, fma, hsum8, hsum8_pairs, reduce4x8, splat, vload, vstore
+from kernels.cpu.simd import (V8F, V8H, V16F, WIDE, array, as_i64, c32, c64, call, fma, hsum8, hsum8_pairs, not_this_variant,
+                              reduce4x8, splat, vload, vstore)
 
-V16F = ir.VectorType(ir.FloatType(), 16)
 
 
 def _load8(builder, base, idx, is_f16):
@@ -99,7 +99,6 @@ tb_4x3_f32 = _tb_kernel(4, 3)
 # from pair_rows8) and each 8 floats of a B row broadcast into both halves: every output keeps its
 # 8-lane fma chain and hsum_float_8, both halves at once (simd.hsum8_pairs), as the dense types'
 # 512-bit tiles do (kernels/cpu/qdot/dense.py).
-WIDE_ATTENTION = REGISTERS == 32
 TB512_RN = 8
 
 
@@ -158,14 +157,10 @@ def _tb512_kernel(RP: int, RN: int):
     return intrinsic(kern)
 
 
-if WIDE_ATTENTION:
+if WIDE:
     tb512_2xn, tb512_1xn, tb512_2x1, tb512_1x1 = (_tb512_kernel(p, n) for p, n in ((2, TB512_RN), (1, TB512_RN), (2, 1), (1, 1)))
-else:                        # never called there (attention.py checks WIDE_ATTENTION); compiled, so defined
-    @njit(cache=True)
-    def _no_tb512(A2, ia, pstride, B, ib, ldb, L, C, ic, ldr, n_rows):
-        raise RuntimeError("the 512-bit attention tiles need AVX-512")
-
-    tb512_2xn = tb512_1xn = tb512_2x1 = tb512_1x1 = _no_tb512
+else:
+    tb512_2xn = tb512_1xn = tb512_2x1 = tb512_1x1 = not_this_variant
 
 
 @intrinsic

@@ -14,9 +14,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import as_i64 as _i64, c64 as _c64, f16, f32, splat as _splat, vload as _vload
+from kernels.cpu.simd import V16F, as_i64 as _i64, c64 as _c64, f16, splat as _splat, vload as _vload
 
-V16F = ir.VectorType(f32, 16)     # two AVX2 registers; LLVM splits the operations
 V16H = ir.VectorType(f16, 16)
 
 

@@ -23,6 +23,7 @@ prefetches put the weights (prefetch_target).
 from __future__ import annotations
 
 import os
+import platform
 import sys
 
 from kernels.errors import BadInputError
@@ -74,12 +75,14 @@ def _host_features() -> dict[str, bool]:
     return {k: bool(v) for k, v in llvm.get_host_cpu_features().items()}
 
 
-def executable(host: dict[str, bool] | None = None) -> list[str]:
-    """The variants this CPU can run, the widest first."""
+def executable(host: dict[str, bool] | None = None, ask_amx: bool = True) -> list[str]:
+    """The variants this CPU can run, the widest first. avx512amx needs Linux's grant of the tile
+    state too, which is asked for only here, where the CPU has the tiles and `ask_amx`: a process
+    that runs another variant keeps its signal frames small."""
     host = _host_features() if host is None else host
     out = []
     if host.get("avx512vnni") and host.get("avx512vl"):
-        if host.get("amx-int8") and host.get("amx-tile") and amx_permitted():
+        if ask_amx and host.get("amx-int8") and host.get("amx-tile") and amx_permitted():
             out.append("avx512amx")
         out.append("avx512vnni")
     if host.get("avxvnni"):
@@ -93,14 +96,15 @@ _AMX_GRANTED: list[bool] = []
 def amx_permitted() -> bool:
     """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per
     process: without it the first tile instruction is a SIGILL. Every thread of the process has it
-    once granted. False off Linux, or where the kernel (or a VM) refuses."""
+    once granted. False off x86-64 Linux, or where the kernel (or a VM) refuses."""
     if not _AMX_GRANTED:
         granted = False
-        if sys.platform == "linux":
+        if sys.platform == "linux" and platform.machine() == "x86_64":
             import ctypes
             try:
                 libc = ctypes.CDLL(None, use_errno=True)
-                granted = libc.syscall(158, 0x1023, 18) == 0     # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+                # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA (syscall is variadic: longs)
+                granted = libc.syscall(ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_long(18)) == 0
             except (OSError, AttributeError):
                 granted = False
         _AMX_GRANTED.append(granted)
@@ -109,7 +113,7 @@ def amx_permitted() -> bool:
 
 def check(isa: str, host: dict[str, bool] | None = None) -> None:
     """A variant the CPU cannot execute is refused (one line), not left to crash on an illegal instruction."""
-    runs = executable(host)
+    runs = executable(host, ask_amx=isa in ("native", "avx512amx"))
     if isa != "native" and isa not in runs:
         raise BadInputError(f"{ISA_ENV}={isa}: this CPU cannot run it (it runs {', '.join(runs)})")
 
@@ -147,7 +151,19 @@ def apply() -> str:
         if "numba" in sys.modules:
             from numba.core import config
             config.reload_config()
+    _cache_folder_of_the_choice()
     return isa
+
+
+def _cache_folder_of_the_choice() -> None:
+    """numba's cache index tells compiled code apart by the CPU's name and features, not by what is
+    compiled in from here (the tile kernels or not, the prefetch instruction), and `native` resolves
+    per process (to avx512amx only where Linux grants the tile state): so each resolved choice loads
+    and saves its kernels in a subfolder of numba's cache dir of its own, and a process is never
+    handed code its choice cannot run."""
+    from numba.core import config
+    if config.CACHE_DIR:
+        config.CACHE_DIR = os.path.join(config.CACHE_DIR, f"{variant()}-{prefetch_target()}")
 
 
 def compiled_for() -> tuple[str, str]:

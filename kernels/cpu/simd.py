@@ -9,6 +9,7 @@ built from the helpers here. Target: x86-64 with AVX2, FMA and F16C.
 from __future__ import annotations
 
 from llvmlite import binding as _llvm, ir
+from numba import njit
 from numba.core import cgutils
 
 from kernels.cpu import isa as _isa
@@ -19,6 +20,7 @@ _FEATURES = _llvm.get_host_cpu_features()
 HAS_AVX2 = all(bool(_FEATURES.get(f, False)) for f in ("avx2", "fma", "f16c"))
 VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit registers (kernels.cpu.isa)
 REGISTERS = 32 if _isa.variant() in ("avx512vnni", "avx512amx") else 16   # vector registers the kernels' tiles can fill
+WIDE = REGISTERS == 32          # the 512-bit kernels (zmm registers) are compiled: the AVX-512 variants
 AMX = _isa.variant() == "avx512amx"              # the K-quants' prompts on AMX tiles (kernels.cpu.qdot.amx)
 PREFETCH_LOCALITY = 3 if _isa.prefetch_target() == "l1" else 2  # llvm.prefetch's: 3 prefetcht0, 2 prefetcht1
 
@@ -30,6 +32,16 @@ V8I = ir.VectorType(i32, 8)      # ... of int32
 V8F = ir.VectorType(f32, 8)      # ... of float32
 V8H = ir.VectorType(f16, 8)      # 128 bits of float16 (vcvtph2ps widens them to V8F)
 V16B = ir.VectorType(i8, 16)
+V64B = ir.VectorType(i8, 64)     # one 512-bit register of bytes
+V16I = ir.VectorType(i32, 16)    # ... of int32
+V16F = ir.VectorType(f32, 16)    # ... of float32 (or two 256-bit registers, where LLVM splits the operations)
+
+
+@njit(cache=True)
+def not_this_variant(*args):
+    """Stands in for a kernel this ISA variant does not compile (the 512-bit or the AMX ones): the
+    dispatch checks WIDE / AMX and never calls it, but numba types every branch, so the name exists."""
+    raise RuntimeError("a kernel of another ISA variant was called (the dispatch never picks it here)")
 
 
 def c64(v: int) -> ir.Constant:

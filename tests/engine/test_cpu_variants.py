@@ -76,7 +76,6 @@ def variant_runs():
     for name, extra in VARIANTS.items():
         env = os.environ | extra
         env.pop("NUMBA_CPU_NAME", None), env.pop("NUMBA_CPU_FEATURES", None)   # KVCHAT_ISA decides
-        env.pop("NUMBA_CACHE_DIR", None)       # each variant's own compile cache (core.paths.kernels_fingerprint)
         runs[name] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SUITES],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield runs
@@ -117,7 +116,6 @@ def test_the_other_prefetch_target_compiles_in_and_keeps_the_bits():
     pick: decode's kernels carry its instruction (in a compile cache of its own), and the exact
     matmuls still equal llama.cpp's bit for bit (a prefetch moves no value)."""
     env = os.environ | {"KVCHAT_PREFETCH": OTHER_PREFETCH}
-    env.pop("NUMBA_CACHE_DIR", None)                       # the fingerprint keeps this choice's own cache
     with tempfile.TemporaryDirectory() as fresh:            # numba shows no machine code of cached functions
         check = subprocess.run([sys.executable, "-c", ASM_CHECK], cwd=ROOT, env=env | {"NUMBA_CACHE_DIR": fresh},
                                capture_output=True, text=True, timeout=1200)

@@ -98,6 +98,9 @@ def test_forced_cpu_choices_are_in_force():
         assert ("+avxvnni" in features) == (isa.chosen() == "avxvnni"), features
     else:
         assert name != "x86-64-v3"
+    # and the kernels load and save in the compile cache of the choice this process resolved
+    from numba.core import config
+    assert os.path.basename(config.CACHE_DIR) == f"{isa.variant()}-{isa.prefetch_target()}", config.CACHE_DIR
 
 
 def test_isa_variants_follow_the_cpu_flags():
@@ -110,6 +113,7 @@ def test_isa_variants_follow_the_cpu_flags():
     assert isa.executable(zen3) == ["avx2"]
     # AMX tiles where Linux grants their state to this process (it does on an AMX machine)
     assert isa.executable(sapphire_rapids) == ["avx512amx"] * isa.amx_permitted() + ["avx512vnni", "avxvnni", "avx2"]
+    assert isa.executable(sapphire_rapids, ask_amx=False) == ["avx512vnni", "avxvnni", "avx2"]
     assert isa.executable(zen4) == ["avx512vnni", "avx2"]
     assert isa.executable(zen5) == ["avx512vnni", "avxvnni", "avx2"]
     assert isa.executable(alder_lake) == ["avxvnni", "avx2"]

@@ -144,7 +144,8 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
     each variant). The K-quants' 16-row kernels are AMX tile kernels under avx512amx."""
-    wide = qdot.WIDE_PROMPT
+    from kernels.cpu import isa
+    wide = isa.variant() in ("avx512vnni", "avx512amx")   # the variants with 512-bit registers
     from kernels.cpu.qdot import tiled16
     from kernels.cpu.qdot.q4_k import wide_gemm_rows
     assert wide_gemm_rows(*qdot.run_arrays([(0, 37, True)])) == (36 if wide else 0)
@@ -161,7 +162,6 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     assert not tiled16.wide(T.Q5_K, 40, *one_run(53)) and not tiled16.wide(T.Q4_K, 40, *one_run(53))
     assert (qdot.q5_0_prompt.py_func.__name__ == "_q5_0_prompt_512") == wide
     # with AMX tiles (the avx512amx variant) the same rows go through kernels/cpu/qdot/amx.py instead
-    from kernels.cpu import isa
     assert qdot.AMX == (isa.variant() == "avx512amx")
     assert (qdot.q4_k_prompt.py_func.__module__ == "kernels.cpu.qdot.amx") == qdot.AMX
 

@@ -54,7 +54,6 @@ from kernels.cpu.qdot.q3_k import _q3_k_rows
 from kernels.cpu.qdot.q5_k import _q5_k_rows
 from kernels.cpu.qdot.q6_k import _q6_k_rows
 from kernels.cpu.qdot import amx, tiled16
-from kernels.cpu.qdot.tiled16 import WIDE_PROMPT
 from kernels.cpu.qdot import rows16
 from kernels.cpu.simd import HAS_AVX2
 from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS

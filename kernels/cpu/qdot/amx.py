@@ -28,19 +28,19 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels import types as T
 from kernels.cpu.qdot.q4_k import Q4K_X8_BYTES
-from kernels.cpu.qdot.rows16 import V16F, V16I, V32S
+from kernels.cpu.qdot.rows16 import V32S
 from kernels.cpu.qdot.tiled16 import unpack16
-from kernels.cpu.simd import AMX, V32B, array, byte_ptr, c32, c64, call, f16, f32, i8, i32, load_as, splat, vload, vstore
+from kernels.cpu.simd import (AMX, V16F, V16I, V32B, V64B, array, byte_ptr, c32, c64, call, f16, f32, i8, i32, load_as, not_this_variant, splat,
+                              vload, vstore)
 
 PANEL_BYTES = 1 << 19          # a panel's unpacked parts stay in L2 beside two groups of activation rows
 TILE = 1024                    # bytes of one 16 x 64-byte tile
-V64B = ir.VectorType(i8, 64)
 _VOID = ir.VoidType()
 
 
@@ -380,12 +380,15 @@ if AMX:
 
 NO_ACCM = np.zeros((0, 0), np.float32)      # the tiled types keep no minimums' sums
 SLAB = 4                       # super-blocks per slab: a panel's parts for one slab stay in L2
+# numba's thread pool (the CPU's count unless NUMBA_NUM_THREADS): a panel for each. A constant, as
+# get_num_threads() would keep the kernels out of the compile cache; a smaller pool only gets more panels.
+POOL = max(2, config.NUMBA_NUM_THREADS)
 
 
 @njit(cache=True)
 def _panel_blocks(n_blk, nb):
-    """16-row blocks per panel: PANEL_BYTES of one slab's parts, at least two panels (both threads)."""
-    return max(1, min(PANEL_BYTES // (min(nb, SLAB) * 8 * TILE), -(-n_blk // 2)))
+    """16-row blocks per panel: PANEL_BYTES of one slab's parts, and a panel for every thread."""
+    return max(1, min(PANEL_BYTES // (min(nb, SLAB) * 8 * TILE), -(-n_blk // POOL)))
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -466,11 +469,6 @@ def _tiled_prompt(ggml_type, w, xg, dxg, M, out):
                     _signed_1(ap, dwp, dmp, mns, nk, xg, xg, dxg, gx, sb0, out, r0, NO_ACCM)
 
 
-@njit(cache=True)
-def _no_amx(*args):
-    raise RuntimeError("the AMX kernels need the avx512amx variant (the dispatch never picks them here)")
-
-
 # The tile kernels are compiled only where they run; elsewhere the dispatch never calls them.
-q4_k_prompt = _q4_k_prompt if AMX else _no_amx
-tiled_prompt = _tiled_prompt if AMX else _no_amx
+q4_k_prompt = _q4_k_prompt if AMX else not_this_variant
+tiled_prompt = _tiled_prompt if AMX else not_this_variant

@@ -27,9 +27,8 @@ from numba.extending import intrinsic
 
 from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
-from kernels.cpu.qdot.rows16 import V16F, V16I
 from kernels.cpu.simd import (
-    REGISTERS, V8F, V8H, V8I, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i16, i32, prefetch, reduce4x8, vload,
+    V8F, V8H, V8I, V16F, V16I, WIDE, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i16, i32, not_this_variant, prefetch, reduce4x8, vload,
 )
 
 _ELEM_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
@@ -205,16 +204,12 @@ f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t) for t in DENS
 f32_tiny, f16_tiny, bf16_tiny = (_dense_tiny_kernel(t, TINY_MR, TINY_NR) for t in DENSE_TYPES)
 f32_tiny_1, f16_tiny_1, bf16_tiny_1 = (_dense_tiny_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
 # With AVX-512 the tiles take two activation rows per register (TINY512_NP pairs per tile).
-WIDE_TINY = REGISTERS == 32
 TINY512_NP = 4
-if WIDE_TINY:
+if WIDE:
     f32_tiny512, f16_tiny512, bf16_tiny512 = (_dense_tiny512_kernel(t, TINY_MR, TINY512_NP) for t in DENSE_TYPES)
     f32_tiny512_1, f16_tiny512_1, bf16_tiny512_1 = (_dense_tiny512_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
-else:                        # never called there (_dense_rows checks WIDE_TINY); compiled, so defined
-    @njit(cache=True)
-    def _no_tiny512(w, n0, xp, p0, out, m0, m_end):
-        raise RuntimeError("the 512-bit tinyBLAS tiles need AVX-512")
-    f32_tiny512 = f16_tiny512 = bf16_tiny512 = f32_tiny512_1 = f16_tiny512_1 = bf16_tiny512_1 = _no_tiny512
+else:
+    f32_tiny512 = f16_tiny512 = bf16_tiny512 = f32_tiny512_1 = f16_tiny512_1 = bf16_tiny512_1 = not_this_variant
 
 
 @njit(inline="always")
@@ -287,7 +282,7 @@ def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
         if run_batched[r] and n >= 2 and tiny_ok:
             for c0 in range(r0, r0 + n, chunk):
                 rows = min(r0 + n, c0 + chunk) - c0
-                if WIDE_TINY:
+                if WIDE:
                     xp = _pair_rows(x, c0, rows)
                     for t in prange(N // TINY_MR):
                         _tiny512(ggml_type, w, t * TINY_MR, xp, out, c0, c0 + rows)

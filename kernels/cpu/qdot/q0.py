@@ -13,7 +13,7 @@ from kernels import types as T
 from kernels.cpu.qdot.common import NB_PAD, PREFETCH
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i32, i64, load_as,
-    REGISTERS, VNNI, dot4, psign, pshufb, splat, vconst, vload, vstore,
+    V16F, V16I, V64B, VNNI, WIDE, dot4, psign, pshufb, splat, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -29,9 +29,8 @@ Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
 # With AVX-512 (32 registers) the tile runs on 512-bit registers, two activation rows per register
 # (_q5_0_panel_kernel_512).
 PANEL = 16
-WIDE_PANEL = REGISTERS == 32
 # the tile: NR weight rows x MR activation rows of accumulators, as many as the registers hold
-PANEL_NR, PANEL_MR = (4, 8) if WIDE_PANEL else (2, 3)
+PANEL_NR, PANEL_MR = (4, 8) if WIDE else (2, 3)
 
 
 def _q5_0_panel_kernel(NR: int, MR: int):
@@ -98,9 +97,6 @@ def _q5_0_panel_kernel(NR: int, MR: int):
     return intrinsic(kern)
 
 
-
-
-V64B, V16I, V16F = ir.VectorType(ir.IntType(8), 64), ir.VectorType(i32, 16), ir.VectorType(ir.FloatType(), 16)
 
 
 def _q5_0_panel_kernel_512(NR: int, MR: int):
@@ -298,7 +294,7 @@ def _groups_512(xq, dx):
 
 # The panel kernel for this ISA: q5_0_prompt_operands(xq, dx) (q8_0 rows) -> the activation
 # operands, q5_0_prompt(wx8, *operands, M, out). The 512-bit one is compiled only where it runs.
-if WIDE_PANEL:
+if WIDE:
     q5_0_panel_512 = _q5_0_panel_kernel_512(PANEL_NR, PANEL_MR)
     q5_0_prompt, q5_0_prompt_operands = _q5_0_prompt_512, _groups_512
 else:

@@ -9,10 +9,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
-from kernels.cpu.qdot.rows16 import V16F, V16I, V32S, store_lanes
+from kernels.cpu.qdot.rows16 import V32S, store_lanes
 from kernels.cpu.simd import (
-    REGISTERS, VNNI, V8F, prefetch, V8I, V16B, V16S, V32B, V8H, array, byte_ptr, c64, call, dot4, f32, fma, i32, load_as,
-    madd16, maddubs, splat, vconst, vload, vstore,
+    VNNI, WIDE, V8F, prefetch, V8I, V16B, V16F, V16I, V16S, V32B, V8H, array, byte_ptr, c64, call, dot4, f32, fma, i32, load_as,
+    madd16, maddubs, not_this_variant, splat, vconst, vload, vstore,
 )
 
 # --- Q4_K: 8 weight rows in the 8 lanes ---------------------------------------------------------
@@ -27,7 +27,7 @@ from kernels.cpu.simd import (
 Q4K_X8_BYTES = 1024 + 64 + 64 + 16 + 16
 # The sub-blocks' dots as vpdpbusd (then vpmulld by the scale) with AVX-512 VNNI; with AVX-VNNI's 16
 # registers the vpmaddubsw + vpmaddwd chain measured faster (README: measured).
-DOTS_VNNI = VNNI and REGISTERS == 32
+DOTS_VNNI = VNNI and WIDE
 
 
 def repack_q4_k_x8(raw: np.ndarray, n_cols: int) -> np.ndarray:
@@ -160,7 +160,7 @@ def _q4_k_kernel(MR: int, per_pair: bool):
 q4_k_gemv_1, q4_k_gemm_4 = _q4_k_kernel(1, False), _q4_k_kernel(4, True)
 # With 32 vector registers (AVX-512) a prompt's unpacked weights serve 8 rows at a time, each row
 # still with the gemm arithmetic llama.cpp gives it (its groups of 4 only pick which rows get it).
-GEMM_MR = 8 if REGISTERS == 32 else 4
+GEMM_MR = 8 if WIDE else 4
 q4_k_gemm_wide = _q4_k_kernel(GEMM_MR, True)
 q4_k_gemv_4 = _q4_k_kernel(4, False)
 q4_k_gemv_2 = _q4_k_kernel(2, False)     # two rows left over: one unpack for both (a speculative check)
@@ -205,7 +205,6 @@ def _q4_k_rows(wx8, xq, dx, bsp, run_start, run_len, run_batched, out):
 # a panel of weight groups has its nibbles unpacked once (q4_k_unpack16, in the x8 order), and one
 # vpdpbusd takes a broadcast dword of one weight row against the same dword of 16 rows; each
 # sub-block's dot times its scale (vpmulld), the minimums' sums one vpmaddwd, all lane-wise.
-WIDE_PROMPT = REGISTERS == 32
 Q4K_NW = 8                       # weight rows per tile (one 8-row group), times Q4K_MX groups of 16 rows
 Q4K_MX = 1
 Q4K_PANEL_BYTES = 512 << 10      # the unpacked panel stays in L2 beside the activations
@@ -327,7 +326,7 @@ def _q4_k_tile16(NW: int, MX: int):
     return intrinsic(kern)
 
 
-if WIDE_PROMPT:
+if WIDE:
     q4_k_tile16_wide, q4_k_tile16_1 = _q4_k_tile16(Q4K_NW, Q4K_MX), _q4_k_tile16(Q4K_NW, 1)
 
 
@@ -336,7 +335,7 @@ def wide_gemm_rows(run_start, run_len, run_batched):
     """The rows of a Q4_K product the 16-row kernel takes: for one batched run (a prompt) the rows
     llama.cpp's gemm takes, n - n % 4, when there are Q4K_PROMPT_MIN_ROWS of them on 512-bit
     registers; else 0 (the rows go to _q4_k_rows)."""
-    if not WIDE_PROMPT or run_start.shape[0] != 1 or not run_batched[0]:
+    if not WIDE or run_start.shape[0] != 1 or not run_batched[0]:
         return 0
     n = run_len[0] - run_len[0] % 4
     return n if n >= Q4K_PROMPT_MIN_ROWS else 0
@@ -369,10 +368,5 @@ def _q4_k_prompt(wx8, xg, bsg, dxg, M, out):
             gx += 1
 
 
-@njit(cache=True)
-def _no_wide_kernel(wx8, xg, bsg, dxg, M, out):
-    raise RuntimeError("the 16-row Q4_K kernel needs AVX-512 (qdot never picks it here)")
-
-
 # The 512-bit kernel is compiled only where it runs; elsewhere the dispatch never calls it.
-q4_k_prompt = _q4_k_prompt if WIDE_PROMPT else _no_wide_kernel
+q4_k_prompt = _q4_k_prompt if WIDE else not_this_variant

@@ -9,9 +9,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import V32B, array, byte_ptr, c32, c64, i32, vload
+from kernels.cpu.simd import V16I, V32B, V64B, array, byte_ptr, c32, c64, i32, vload
 
-V16I, V16F = ir.VectorType(i32, 16), ir.VectorType(ir.FloatType(), 16)
 V32S = ir.VectorType(ir.IntType(16), 32)
 
 
@@ -57,7 +56,7 @@ def _regroup_kernel(widen: bool):
                     if widen:
                         v = builder.bitcast(builder.sext(vload(builder, builder.gep(src, [k]), V32B), V32S), V16I)
                     else:
-                        v = builder.bitcast(vload(builder, builder.gep(src, [k]), ir.VectorType(ir.IntType(8), 64)), V16I)
+                        v = builder.bitcast(vload(builder, builder.gep(src, [k]), V64B), V16I)
                     for e in range(16):                    # dword k/unit + e -> 64 (k/unit + e) + 4r
                         at = builder.mul(builder.add(builder.sdiv(k, c64(unit)), c64(e)), c64(64))
                         builder.store(builder.extract_element(v, c32(e)),

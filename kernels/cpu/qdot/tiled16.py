@@ -10,7 +10,7 @@ type's decoder), the activations are regrouped 16 rows to a register (int16
 pairs, rows16.regroup_pairs), and one vpdpwssd takes a pair of w of one weight row (broadcast)
 against the same pair of 16 rows: S for 16 outputs with no scale multiplies. Then the float steps
 lane-wise (Q2_K's minimums: P = sum of mn * the 16-element sums of x, also by vpdpwssd, and
-res = fma(-dmin_w, float(P), res)): the tiled kernel's numbers, bit for bit. AVX-512 only (WIDE_PROMPT); elsewhere the
+res = fma(-dmin_w, float(P), res)): the tiled kernel's numbers, bit for bit. AVX-512 only (simd.WIDE); elsewhere the
 per-type kernels run every prompt.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from kernels.cpu.qdot.iq4_xs import IQ4_XS_BLOCK, _decode as _iq4_xs_decode
 from kernels.cpu.qdot.q2_k import Q2_K_BLOCK, _decode as _q2_k_decode
 from kernels.cpu.qdot.q3_k import Q3_K_BLOCK, _decode as _q3_k_decode
 from kernels.cpu.qdot.q6_k import Q6_K_BLOCK, decode_signed as _q6_k_decode
-from kernels.cpu.qdot.rows16 import V16F, V16I, V32S, store_lanes, vpdpwssd
-from kernels.cpu.simd import REGISTERS, array, byte_ptr, c32, c64, call, f32, i32, load_as, splat, vload, vstore
+from kernels.cpu.qdot.rows16 import V32S, store_lanes, vpdpwssd
+from kernels.cpu.simd import (V16F, V16I, WIDE, array, byte_ptr, c64, call, i32, load_as, not_this_variant, splat,
+                              vload, vstore)
 
-WIDE_PROMPT = REGISTERS == 32
 NW = 8                       # weight rows per tile (each with one accumulator per 16 activation rows)
 PANEL_BYTES = 512 << 10      # the unpacked panel (rows x K int16) stays in L2 beside the activations
 # From this many activation rows on, a batched run takes these kernels (Q6_K: at 8 rows the two
@@ -155,7 +155,7 @@ def _tile16(NW: int, MX: int, mins: bool):
     return intrinsic(kern)
 
 
-if WIDE_PROMPT:
+if WIDE:
     tile16_2, tile16_1 = _tile16(NW, 2, False), _tile16(NW, 1, False)
     tile16_2m, tile16_1m = _tile16(NW, 2, True), _tile16(NW, 1, True)
 
@@ -177,7 +177,7 @@ def unpack16(ggml_type, w, r0, n_rows, wp, dwp, dmp, mnp):
 def wide(ggml_type, n_out, run_start, run_len, run_batched):
     """Does a product take these kernels? Q6_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt) of
     PROMPT_MIN_ROWS rows or more, on 512-bit registers, whole tiles of weight rows."""
-    return (WIDE_PROMPT and (ggml_type == T.Q6_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS or ggml_type == T.Q2_K)
+    return (WIDE and (ggml_type == T.Q6_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS or ggml_type == T.Q2_K)
             and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= PROMPT_MIN_ROWS and n_out % NW == 0)
 
 
@@ -216,10 +216,5 @@ def _prompt(ggml_type, w, x16, dx16, bs16, M, out):
                     tile16_1(wp, dwp, dmp, mnp, j0, x16, dx16, bs16, g, out, r0, M)
 
 
-@njit(cache=True)
-def _no_wide_kernel(ggml_type, w, x16, dx16, bs16, M, out):
-    raise RuntimeError("the 16-row kernels need AVX-512 (wide() never picks them here)")
-
-
 # The 512-bit kernels are compiled only where they run; elsewhere the dispatch never calls them.
-prompt = _prompt if WIDE_PROMPT else _no_wide_kernel
+prompt = _prompt if WIDE else not_this_variant
