@@ -97,17 +97,19 @@ def test_native_tracks_llama_cpp(engines):
     assert tf_rows >= 0.98 * total, summary
 
 
-@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_1", "IQ4_NL", "Q5_K_M", "F16", "BF16",
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_K_M", "F16", "BF16",
                                    "Q3_K_M", "Q2_K", "IQ4_XS"])
 def test_requantized_registry_model_is_bit_exact(ftype, qwen_path):
     """The default model requantized by llama.cpp's own quantizer to other common file types (each
     mixes types: IQ4_NL files hold Q5_1 and Q5_K, Q5_K_M ones Q6_K; this model's 896-wide rows leave
     Q3_K_M files without Q3_K, Q2_K ones with Q3_K and no Q2_K, IQ4_XS ones with IQ4_XS): logits_all
     bit for bit llama.cpp's, batched and step by step (the engine loads a file only when every matrix
-    has an exact kernel)."""
+    has an exact kernel). The prompt is long enough (>= 48 tokens) for the prompt kernels: the panel,
+    16-row and tile kernels where this CPU has them."""
     g = open_model(requantized(qwen_path, ftype))
     tok = Tokenizer.from_gguf(g)
-    ids = tok.encode("Write a Python function that reverses a string, then explain how it works.")
+    ids = tok.encode("Write a Python function that reverses a string, then explain how it works. " * 4)
+    assert len(ids) >= 48, len(ids)
     native = NativeBackend(g, tok, 256, 2)
     ll = LlamaCppBackend(g, tok, 256, 2, logits_all=True)
     try:

@@ -116,12 +116,12 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 53])
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
-    or passes of up to 8 rows: 9, 16, 37 take several) and the Q5_0 panel kernel (48 rows or more; both
-    tile heights leave a ragged last tile at 53),
+    or passes of up to 8 rows: 9, 16, 37 take several) and the panel kernel (48 rows or more: Q5_0, and Q8_0
+    with 512-bit registers; both tile heights leave a ragged last tile at 53),
     Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
     layouts' padding."""
-    assert (m >= qdot.Q5_0_PANEL_MIN_ROWS) == (m == 53)    # the panel kernel is covered, by 53 only (ragged
-                                                           # last tiles of 8 and of 3 rows)
+    assert (m >= qdot.PANEL_MIN_ROWS) == (m == 53)    # the panel kernel is covered, by 53 only (ragged
+                                                      # last tiles of 8 and of 3 rows)
     if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
         n_cols = 1536
     if TRAITS[ggml_type].rows8 and n_rows % 8:
@@ -140,7 +140,7 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
 def test_the_wide_prompt_kernels_are_the_ones_tested():
     """With 512-bit registers a prompt's Q6_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
     (kernels/cpu/qdot/tiled16.py, from 16 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
-    rows keep the gemv arithmetic) and Q5_0's through the 512-bit panel: the exactness tests above
+    rows keep the gemv arithmetic) and Q5_0's and Q8_0's through the 512-bit panel: the exactness tests above
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
     each variant). The K-quants' 16-row kernels are AMX tile kernels under avx512amx."""
@@ -160,7 +160,8 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))
     assert not tiled16.wide(T.Q5_K, 40, *one_run(53)) and not tiled16.wide(T.Q4_K, 40, *one_run(53))
-    assert (qdot.q5_0_prompt.py_func.__name__ == "_q5_0_prompt_512") == wide
+    assert (qdot.panel_prompt.py_func.__name__ == "_panel_prompt_512") == wide
+    assert qdot.has_panel(T.Q5_0) and qdot.has_panel(T.Q8_0) == wide and not qdot.has_panel(T.Q4_0)
     # with AMX tiles (the avx512amx variant) the same rows go through kernels/cpu/qdot/amx.py instead
     assert qdot.AMX == (isa.variant() == "avx512amx")
     assert (qdot.q4_k_prompt.py_func.__module__ == "kernels.cpu.qdot.amx") == qdot.AMX

@@ -46,7 +46,7 @@ from kernels import types as T
 from kernels.cpu.qdot.act import (_quantize_q8_0, _quantize_q8_0_serial, _quantize_q8_k, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k,
                                   round_activation)
 from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
-from kernels.cpu.qdot.q0 import _q0_x8_rows, q5_0_prompt, q5_0_prompt_operands, repack_q0_x8
+from kernels.cpu.qdot.q0 import _q0_x8_rows, has_panel, panel_operands, panel_prompt, repack_q0_x8
 from kernels.cpu.qdot.q4_k import _q4_k_rows, q4_k_prompt as _q4_k_prompt_512, repack_q4_k_x8, wide_gemm_rows
 from kernels.cpu.qdot.iq4_xs import _iq4_xs_rows
 from kernels.cpu.qdot.q2_k import _q2_k_rows
@@ -102,9 +102,9 @@ class Int8Rows:
         return self._derived[key]
 
     def biased_groups(self):
-        """The activation operands of the Q5_0 panel kernel (q0.q5_0_prompt_operands)."""
+        """The activation operands of the panel kernel (q0.panel_operands)."""
         if "biased" not in self._derived:
-            self._derived["biased"] = q5_0_prompt_operands(self.xq, self.dx)
+            self._derived["biased"] = panel_operands(self.xq, self.dx)
         return self._derived["biased"]
 
 
@@ -113,9 +113,9 @@ class Int8Rows:
 AMX = amx.AMX
 q4_k_prompt = amx.q4_k_prompt if AMX else _q4_k_prompt_512
 NO_SUMS = np.zeros((0, 0, 16), np.int32)     # tiled16.prompt's 16-element sums, for the types without minimums
-# From this many activation rows on, Q5_0 goes through the unpacked panel kernel (below it the
-# multi-row x8 kernel is faster; README: measured).
-Q5_0_PANEL_MIN_ROWS = 48
+# From this many activation rows on, the types with a panel kernel (q0.has_panel) go through it
+# (below it the multi-row x8 kernel is faster; README: measured).
+PANEL_MIN_ROWS = 48
 EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 else frozenset()
 
 
@@ -212,8 +212,8 @@ def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=
             runs = run_arrays([(n, M - n, False)]) if n < M else None
         if runs is not None:
             _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *runs, out)
-    elif ggml_type == T.Q5_0 and M >= Q5_0_PANEL_MIN_ROWS:
-        q5_0_prompt(w, *rows.biased_groups(), M, out)
+    elif has_panel(ggml_type) and M >= PANEL_MIN_ROWS:
+        panel_prompt(ggml_type, w, *rows.biased_groups(), M, out)
     else:
         _q0_x8_rows(ggml_type, w, rows.xq, rows.dx, rows.sx, rows.s1, out)
     return out if out.shape[1] == n_out else out[:, :n_out]
@@ -293,8 +293,8 @@ def matmul_row(layout, ggml_type, q, runs, out):
                 _q4_k_rows(layout, q.xq, q.dxk, q.bsp, np.array([n]), np.array([M - n]), np.array([False]), out)
         else:
             _q4_k_rows(layout, q.xq, q.dxk, q.bsp, run_start, run_len, run_batched, out)
-    elif ggml_type == T.Q5_0 and q.xq.shape[0] >= Q5_0_PANEL_MIN_ROWS:
-        xb, dxb = q5_0_prompt_operands(q.xq, q.dx0)
-        q5_0_prompt(layout, xb, dxb, q.xq.shape[0], out)
+    elif has_panel(ggml_type) and q.xq.shape[0] >= PANEL_MIN_ROWS:
+        xb, dxb = panel_operands(q.xq, q.dx0)
+        panel_prompt(ggml_type, layout, xb, dxb, q.xq.shape[0], out)
     else:
         _q0_x8_rows(ggml_type, layout, q.xq, q.dx0, q.sx, q.s1, out)

@@ -1,6 +1,6 @@
 """Q8_0, Q5_0, Q4_0, IQ4_NL, Q4_1 and Q5_1 weights times q8_0 (q8_1) activation rows, llama.cpp's numbers bit for bit:
 the x8 layout (8 weight rows in the lanes; decode and short batches) and, for prompt-sized batches
-of Q5_0, the unpacked panel kernel."""
+of Q5_0 (and of Q8_0 with 512-bit registers), the unpacked panel kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +27,11 @@ Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
 # instructions, which on Zen 3 share ports with the conversions and the FMAs (1.9 against 2.3 cycles
 # per (row, row, block)). d_w * d_x for the tile is computed once per call, 8 blocks per multiply.
 # With AVX-512 (32 registers) the tile runs on 512-bit registers, two activation rows per register
-# (_q5_0_panel_kernel_512).
+# (_q5_0_panel_kernel_512), and Q8_0 takes the panel too: the same per-lane float recipe (llama.cpp's
+# vec_dot and tinyBLAS_Q0_AVX for both), its values as they are: the 512-bit kernel's vpdpbusd sums
+# the byte products in int32 exactly. On 256-bit registers Q8_0 keeps the x8 kernel: without VNNI
+# the panel's vpmaddubsw would saturate on its values (up to 128 in magnitude, against x + 128), and
+# with AVX-VNNI alone the panel was not measured for it.
 PANEL = 16
 # the tile: NR weight rows x MR activation rows of accumulators, as many as the registers hold
 PANEL_NR, PANEL_MR = (4, 8) if WIDE else (2, 3)
@@ -95,8 +99,6 @@ def _q5_0_panel_kernel(NR: int, MR: int):
 
     kern.__name__ = f"q5_0_panel_{NR}x{MR}"
     return intrinsic(kern)
-
-
 
 
 def _q5_0_panel_kernel_512(NR: int, MR: int):
@@ -176,6 +178,12 @@ def _q5_0_panel_kernel_512(NR: int, MR: int):
     return intrinsic(kern)
 
 
+@njit(inline="always")
+def has_panel(ggml_type):
+    """Does this type's prompt take the panel kernel (Q5_0 and, with 512-bit registers, Q8_0)?"""
+    return ggml_type == T.Q5_0 or (WIDE and ggml_type == T.Q8_0)
+
+
 @njit(cache=True, error_model="numpy")
 def _pair_panel(wp, cp, dwp, wp2, cp2, dw2):
     """The panel with every dword (and scale) twice, for the interleaved lanes of the 512-bit kernel:
@@ -227,9 +235,9 @@ def _bias_groups(xq, dx, MR, xb, dxb):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _q5_0_prompt_256(wx8, xb, dxb, M, out):
-    """Q5_0 (x8 layout) x biased activation groups (_bias_groups) -> out (M, N); prange over panels
-    of PANEL rows, each unpacked once and used by every activation group."""
+def _panel_prompt_256(ggml_type, wx8, xb, dxb, M, out):
+    """Q5_0 (x8 layout; the one type has_panel takes here) x biased activation groups (_bias_groups)
+    -> out (M, N); prange over panels of PANEL rows, each unpacked once and used by every activation group."""
     n_groups = wx8.shape[0]
     nb = xb.shape[1]
     nbp = dxb.shape[2]
@@ -248,9 +256,9 @@ def _q5_0_prompt_256(wx8, xb, dxb, M, out):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _q5_0_prompt_512(wx8, xb2, dx2, M, out):
-    """_q5_0_prompt_256 for the 512-bit tile: activation pairs from _bias_pairs, each panel unpacked
-    and then its dwords doubled (_pair_panel)."""
+def _panel_prompt_512(ggml_type, wx8, xb2, dx2, M, out):
+    """_panel_prompt_256 for the 512-bit tile: activation pairs from _bias_pairs, each panel unpacked
+    and then its dwords doubled (_pair_panel). Q5_0 or Q8_0 weights."""
     n_groups = wx8.shape[0]
     nb = xb2.shape[1]
     nbp = dx2.shape[2]
@@ -265,7 +273,10 @@ def _q5_0_prompt_512(wx8, xb2, dx2, M, out):
         D2 = np.empty((PANEL_NR, PANEL_MR // 2, nbp, 2), np.float32)
         g0 = p * per_panel
         ng = min(per_panel, n_groups - g0)
-        _unpack_q5_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
+        if ggml_type == T.Q8_0:
+            _unpack_q8_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
+        else:
+            _unpack_q5_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
         _pair_panel(wp, cp, dwp, wp2, cp2, dw2)
         for g in range(xb2.shape[0]):
             for j0 in range(0, ng * 8, PANEL_NR):
@@ -292,14 +303,15 @@ def _groups_512(xq, dx):
     return xb2, dx2
 
 
-# The panel kernel for this ISA: q5_0_prompt_operands(xq, dx) (q8_0 rows) -> the activation
-# operands, q5_0_prompt(wx8, *operands, M, out). The 512-bit one is compiled only where it runs.
+# The panel kernel for this ISA: panel_operands(xq, dx) (q8_0 rows) -> the activation operands,
+# panel_prompt(ggml_type, wx8, *operands, M, out) for the types has_panel takes. The 512-bit one is
+# compiled only where it runs.
 if WIDE:
     q5_0_panel_512 = _q5_0_panel_kernel_512(PANEL_NR, PANEL_MR)
-    q5_0_prompt, q5_0_prompt_operands = _q5_0_prompt_512, _groups_512
+    panel_prompt, panel_operands = _panel_prompt_512, _groups_512
 else:
     q5_0_panel_256 = _q5_0_panel_kernel(PANEL_NR, PANEL_MR)
-    q5_0_prompt, q5_0_prompt_operands = _q5_0_prompt_256, _groups_256
+    panel_prompt, panel_operands = _panel_prompt_256, _groups_256
 
 
 # --- the 32-element types with 8 weight rows in the lanes (decode, short batches) -----------------
@@ -647,12 +659,15 @@ def _transpose8x8(builder, vs):
     return out
 
 
-@intrinsic
-def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
-    """Groups g0 .. g0+n_groups-1 of a Q5_0 x8 matrix -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32)
-    int8 values q - 16, cp (P, nb, 8) int32 = 128 * each 4-group sum (negated with VNNI: the dot's
-    starting value), dwp (P, nbp) float32 scales."""
-    sig = types.void(wx8, g0, n_groups, wp, cp, dwp)
+def _x8_panel_unpacker(ggml_type: int):
+    """unpack(wx8, g0, n_groups, wp, cp, dwp): groups g0 .. g0+n_groups-1 of a Q5_0 or Q8_0 x8 matrix
+    -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32) int8 values (Q5_0's q - 16), cp (P, nb, 8)
+    int32 = 128 * each 4-group sum (negated with VNNI: the dot's starting value), dwp (P, nbp)
+    float32 scales."""
+    offset = 16 if ggml_type == T.Q5_0 else 0
+
+    def unpack(typingctx, wx8, g0, n_groups, wp, cp, dwp):
+        return types.void(wx8, g0, n_groups, wp, cp, dwp), codegen
 
     def codegen(context, builder, signature, args):
         wa, _, _, pa, ca, da = (array(context, builder, signature.args[k], args[k]) if k not in (1, 2) else None
@@ -660,7 +675,7 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
         g0v, n_groups = args[1], args[2]
         nb = builder.extract_value(pa.shape, 1)
         nbp = builder.extract_value(da.shape, 1)
-        block = X8_BLOCK[T.Q5_0]
+        block = X8_BLOCK[ggml_type]
         wbase, pbase, cbase = byte_ptr(builder, wa.data), byte_ptr(builder, pa.data), byte_ptr(builder, ca.data)
         ones8 = vconst(V32B, 1)
         with cgutils.for_range(builder, n_groups) as gl:
@@ -669,8 +684,8 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
             with cgutils.for_range(builder, nb) as bl:
                 b = bl.index
                 p = builder.gep(src, [builder.mul(b, c64(block))])
-                blk = _X8Block(builder, T.Q5_0, p)
-                groups = [builder.bitcast(builder.sub(blk.group(k), vconst(V32B, 16)), V8I) for k in range(8)]
+                blk = _X8Block(builder, ggml_type, p)
+                groups = [builder.bitcast(builder.sub(blk.group(k), vconst(V32B, offset)), V8I) for k in range(8)]
                 rows = _transpose8x8(builder, groups)                # row r: its 32 values
                 d8 = blk.scales()
                 for r in range(8):
@@ -685,4 +700,8 @@ def _unpack_q5_0_x8_panel(typingctx, wx8, g0, n_groups, wp, cp, dwp):
                                   builder.gep(da.data, [builder.add(builder.mul(row, nbp), b)]))
         return context.get_dummy_value()
 
-    return sig, codegen
+    unpack.__name__ = f"unpack_{T.TRAITS[ggml_type].name.lower()}_x8_panel"
+    return intrinsic(unpack)
+
+
+_unpack_q5_0_x8_panel, _unpack_q8_0_x8_panel = _x8_panel_unpacker(T.Q5_0), _x8_panel_unpacker(T.Q8_0)
