@@ -54,6 +54,9 @@ def use_numba_cache() -> None:
     so the second start of the native engine does not recompile its kernels. One folder per
     kernels_fingerprint(); the folders of other versions go once unused for a day (another
     kvchat, older or newer, may still be running from them)."""
+    # numba's locators after ours: by name, as numba.core.caching has them (core/numba_locator.py)
+    os.environ.setdefault("NUMBA_CACHE_LOCATOR_CLASSES", "core.numba_locator.CheckoutCacheLocator, UserProvidedCacheLocator, "
+                          "InTreeCacheLocator, UserWideCacheLocator, IPythonCacheLocator, ZipCacheLocator")
     if "NUMBA_CACHE_DIR" in os.environ:
         return
     base = cache_dir() / "numba"

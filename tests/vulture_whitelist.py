@@ -18,3 +18,4 @@ _.nthread  # tests/engine/conftest.py: a llama_model_quantize parameter (ctypes 
 _.get_suggestion  # app/tui/screens/attach.py: Textual's Suggester calls it
 _.tooltip  # app/tui/widgets/attachments.py: Textual shows it on hover
 _.bos_token_id  # core/constrained.py: llguidance's TokenizerWrapper reads it
+CheckoutCacheLocator, _._cache_path  # core/numba_locator.py: numba loads the class by name (NUMBA_CACHE_LOCATOR_CLASSES) and reads the path

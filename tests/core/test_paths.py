@@ -1,8 +1,13 @@
-"""The numba compile cache: one folder per version of the kernels, older folders tidied away."""
+"""The numba compile cache: one folder per version of the kernels, older folders tidied away, and
+one place per kernel file for every checkout of the same sources."""
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 from core import paths
+from tests.conftest import ROOT
 
 
 def test_numba_cache_is_per_kernels_version(tmp_path, monkeypatch):
@@ -44,3 +49,33 @@ def test_fingerprint_follows_the_kernel_sources(tmp_path, monkeypatch):
     (src / "qdot").mkdir()                                  # a kernel subpackage (kernels/cpu/qdot/)
     (src / "qdot" / "q0.py").write_text("def g(): return 1\n")
     assert paths.kernels_fingerprint() != third
+
+
+CACHED_CALL = """
+import numpy as np
+from kernels.cpu import ops
+ops.rms_norm(np.ones((4, 64), np.float32), np.ones(64, np.float32), 1e-6)
+stats = ops._rms_norm_serial.stats
+print(ops.__file__, sum(stats.cache_hits.values()), sum(stats.cache_misses.values()))
+"""
+
+
+def test_another_checkout_of_the_same_kernels_finds_them_compiled(tmp_path):
+    """core/numba_locator.py: a second clone (a fresh CI checkout, an install elsewhere) loads the
+    kernels the first compiled instead of compiling them again; numba's own locator would not."""
+    clone = tmp_path / "clone"
+    for pkg in ("kernels", "core"):
+        shutil.copytree(ROOT / pkg, clone / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def run(where, **env):
+        proc = subprocess.run([sys.executable, "-c", CACHED_CALL], cwd=where, capture_output=True, text=True,
+                              env=os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")} | env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        file, hits, misses = proc.stdout.split()
+        assert file.startswith(str(where)), file          # the checkout's own sources ran
+        return int(hits), int(misses)
+
+    assert "core.numba_locator.CheckoutCacheLocator" in os.environ["NUMBA_CACHE_LOCATOR_CLASSES"]
+    assert run(ROOT) in ((0, 1), (1, 0))                 # compiled and saved (or saved by a run before)
+    assert run(clone) == (1, 0)
+    assert run(clone, NUMBA_CACHE_LOCATOR_CLASSES="") == (0, 1)   # numba's locator: a folder per checkout
