@@ -192,9 +192,7 @@ def _masked_load(builder, ptr, mask):
 
 
 def _masked_store(builder, value, ptr, mask):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, [V16F, V16F.as_pointer(), i32, mask.type]),
-                                        "llvm.masked.store.v16f32.p0")
-    builder.call(fn, [value, builder.bitcast(ptr, V16F.as_pointer()), c32(4), mask])
+    call(builder, "llvm.masked.store.v16f32.p0", _VOID, [value, builder.bitcast(ptr, V16F.as_pointer()), c32(4), mask])
 
 
 def _tiles(kind: str, X: int):
