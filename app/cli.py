@@ -245,9 +245,11 @@ def load_engine(args, model: str | None = None):
 @contextlib.contextmanager
 def ctrl_c_cancels(cancel: threading.Event):
     """While a reply streams, the first Ctrl-C sets `cancel`: generation stops at its next token
-    and what streamed is kept; a second one interrupts at once (KeyboardInterrupt). Why a flag and
-    not Python's KeyboardInterrupt: raised while llama.cpp runs one of its Python callbacks (its log
-    hook), the exception is swallowed there and the reply went on streaming."""
+    and what streamed is kept; a second one interrupts at once (KeyboardInterrupt), as it must for a
+    stalled `--backend openai` read (Python retries a read after a handler that returns). Why a flag
+    and not Python's KeyboardInterrupt: in the full suite a `--backend llama.cpp` reply twice went on
+    streaming 60 s after SIGINT; the likely cause, not proven, is the exception raised inside one of
+    llama.cpp's Python callbacks (its log hook) and swallowed there. A flag cannot be lost."""
     def handler(_signum, _frame):
         if cancel.is_set():
             raise KeyboardInterrupt
