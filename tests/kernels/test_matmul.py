@@ -241,13 +241,15 @@ def test_activation_quantizers_equal_llama_cpp_model(x_scale):
     x = (rng.standard_normal((5, 512)) * x_scale).astype(np.float32)
     x[1, :256] = 0.0
     x[2, 10], x[2, 20] = -3 * x_scale, 3 * x_scale                 # +-max tie: the first one sets the sign
-    xq, dx, sx, s1 = qdot.quantize_q8_0(x)
+    q8 = Int8Rows(x, T.ACT_Q8_0)
+    xq, dx, sx, s1 = q8.xq, q8.dx, q8.sx, q8.s1
     want_q, want_d, want_s = ref.quantize_q8_0_ref(x)
     np.testing.assert_array_equal(xq, want_q)
     np.testing.assert_array_equal(dx, want_d)
     np.testing.assert_array_equal(s1, want_s)
     np.testing.assert_array_equal(sx, 16 * xq.reshape(5, -1, 4).astype(np.int32).sum(-1))
-    kq, kd, bs16, bsp = qdot.quantize_q8_k(x)
+    qk = Int8Rows(x, T.ACT_Q8_K)
+    kq, kd, bs16, bsp = qk.xq, qk.dx, qk.bs16, qk.bsp
     want_q, want_d = ref.quantize_q8_k_ref(x)
     np.testing.assert_array_equal(kq, want_q)
     np.testing.assert_array_equal(kd, want_d)
@@ -255,6 +257,11 @@ def test_activation_quantizers_equal_llama_cpp_model(x_scale):
     np.testing.assert_array_equal(bs16, s16)
     s32 = s16.reshape(5, -1, 2).sum(-1)
     np.testing.assert_array_equal(bsp, (s32[:, 0::2] & 0xFFFF) | (s32[:, 1::2] << 16))
+    for i in range(5):                 # one row (decode) is quantized on the calling thread: the same
+        for kind, many in ((T.ACT_Q8_0, q8), (T.ACT_Q8_K, qk)):
+            one = Int8Rows(x[i:i + 1], kind)
+            for form in ("xq", "dx", "sx", "s1") if kind == T.ACT_Q8_0 else ("xq", "dx", "bs16", "bsp"):
+                np.testing.assert_array_equal(getattr(one, form)[0], getattr(many, form)[i])
     for t in (T.F32, T.F16, T.BF16):             # the float weights' activations: rounded to their type
         np.testing.assert_array_equal(Int8Rows(x, TRAITS[t].vec_dot).xf, ref.round_activation_ref(x, t))
 

@@ -33,7 +33,7 @@ weight byte once per token, a prompt reuses each unpacked weight panel for all i
 
 One module per type family (q0: Q8_0, Q5_0, Q4_0 and IQ4_NL; q4_k, q5_k, q6_k; q2_k, q3_k, iq4_xs on lanes) and one for the activations (act);
 this one holds what every family shares: the layouts' builder, the run arrays, and the dispatch
-(matmul from Python, matmul_row inside compiled code).
+(matmul_row, which the fused layer calls inside compiled code and matmul from Python).
 """
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ import numpy as np
 from numba import njit
 
 from kernels import types as T
-from kernels.cpu.qdot.act import (_quantize_q8_0, _quantize_q8_0_serial, _quantize_q8_k, _quantize_q8_k_serial, quantize_q8_0, quantize_q8_k,
-                                  round_activation)
+from kernels.cpu.qdot.act import _quantize_q8_0, _quantize_q8_0_serial, _quantize_q8_k, _quantize_q8_k_serial, round_activation
 from kernels.cpu.qdot.dense import DENSE_TYPES, TINY_MR, _dense_rows
 from kernels.cpu.qdot.q0 import _q0_x8_rows, has_panel, panel_operands, panel_prompt, repack_q0_x8
 from kernels.cpu.qdot.q4_k import _q4_k_rows, q4_k_prompt as _q4_k_prompt_512, repack_q4_k_x8, wide_gemm_rows
@@ -60,52 +59,30 @@ from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS
 
 
 class Int8Rows:
-    """Activation rows quantized (or, for the float weights, rounded) once for one vec-dot type
-    (types.ACT_*) and shared by every matrix that reads the same x (q/k/v, gate/up); the
-    kernel-specific forms are derived on demand."""
+    """Activation rows x (M, K) quantized (or, for the float weights, rounded) once for one vec-dot
+    type (types.ACT_*), in every form the kernels read (Q8Buffers, by quantize_into: the engine's
+    own path), for matmul from Python."""
 
     def __init__(self, x: np.ndarray, kind: int):
+        if kind not in (ACT_Q8_0, ACT_Q8_K, ACT_F32, ACT_F16, ACT_BF16):
+            raise ValueError(f"unknown activation type {kind!r}")
         x = np.ascontiguousarray(x, np.float32)
         self.kind = kind
-        if kind == ACT_Q8_0:
-            self.xq, self.dx, self.sx, self.s1 = quantize_q8_0(x)
-        elif kind == ACT_Q8_K:
-            self.xq, self.dx, self.bs16, self.bsp = quantize_q8_k(x)
-        elif kind in (ACT_F32, ACT_F16, ACT_BF16):
-            self.xf = np.empty_like(x)
-            round_activation(x, kind, self.xf)
-        else:
-            raise ValueError(f"unknown activation type {kind!r}")
-        self._derived: dict = {}
+        self.q = Q8Buffers.alloc(*x.shape)
+        quantize_into(x, kind, self.q)
 
     @property
     def n_rows(self) -> int:
-        return (self.xf if self.kind >= ACT_F32 else self.xq).shape[0]
+        return self.q.xq.shape[0]
 
-    def grouped16(self, widen: bool, n: int | None = None):
-        """The first n (default all) q8_K rows 16 to a register (kernels.cpu.qdot.rows16): int16
-        pairs (widen) or bytes."""
-        n = self.n_rows if n is None else n
-        key = ("rows16", widen, n)
-        if key not in self._derived:
-            self._derived[key] = rows16.regroup_pairs(self.xq[:n]) if widen else rows16.regroup_bytes(self.xq[:n])
-        return self._derived[key]
-
-    def lanes16(self, name: str, n: int | None = None):
-        """A per-row array (dx, bsp, bs16) of the first n rows with 16 rows in the lanes (rows16.lanes;
-        an int16 array as int32 pairs)."""
-        n = self.n_rows if n is None else n
-        key = ("lanes16", name, n)
-        if key not in self._derived:
-            a = getattr(self, name)[:n]
-            self._derived[key] = rows16.lanes(a.view(np.int32) if a.dtype == np.int16 else a)   # int16: as pairs
-        return self._derived[key]
-
-    def biased_groups(self):
-        """The activation operands of the panel kernel (q0.panel_operands)."""
-        if "biased" not in self._derived:
-            self._derived["biased"] = panel_operands(self.xq, self.dx)
-        return self._derived["biased"]
+    # the forms of this kind (q8_0: xq, dx, sx, s1; q8_K: xq, dx, bs16, bsp; the float kinds: xf)
+    xq = property(lambda self: self.q.xq)
+    dx = property(lambda self: self.q.dx0 if self.kind == ACT_Q8_0 else self.q.dxk)
+    sx = property(lambda self: self.q.sx)
+    s1 = property(lambda self: self.q.s1)
+    bs16 = property(lambda self: self.q.bs16)
+    bsp = property(lambda self: self.q.bsp)
+    xf = property(lambda self: self.q.xf)
 
 
 # The K-quants' prompt kernels of the chosen variant: on AMX tiles (kernels.cpu.qdot.amx), else the
@@ -169,53 +146,23 @@ def _run_arrays(runs, M: int):
 
 def layout_prefix(layout: np.ndarray, ggml_type: int, n_out: int) -> np.ndarray:
     """The part of an exact layout the first n_out output rows need (a draft model's truncated
-    vocabulary): its rows or 8-row groups, and for the dense types whole tinyBLAS tiles."""
-    if ggml_type in DENSE_TYPES and layout.shape[0] % TINY_MR == 0:
-        return layout[:-(-n_out // TINY_MR) * TINY_MR]
+    vocabulary): its rows or 8-row groups; for the dense types whole tinyBLAS tiles, or all of a
+    matrix that has a ragged tile (its rows decide whether llama.cpp tiles it at all)."""
+    if ggml_type in DENSE_TYPES:   # whole tinyBLAS tiles, or all of W: llama.cpp tiles by W's rows
+        return layout[:-(-n_out // TINY_MR) * TINY_MR] if layout.shape[0] % TINY_MR == 0 else layout
     return TRAITS[ggml_type].layout_prefix(layout, n_out)
 
 
 def matmul(layout: np.ndarray, ggml_type: int, rows: Int8Rows, n_out: int, runs=None) -> np.ndarray:
     """rows (M, K) @ W.T -> (M, n_out) float32 for the first n_out rows of W, llama.cpp's numbers bit
-    for bit. W is read once per call for all M rows. runs: [(start, length, batched)] covering the
-    rows (default: one batched run); llama.cpp picks its K-quants' (and IQ4_XS's) arithmetic by the size
-    of the batch it is given, so a batched run gets the arithmetic of a llama.cpp batch of its length
-    and a one-row run (decode, speculative checks) gives each row the arithmetic of a single token."""
-    M = rows.n_rows
-    traits = TRAITS[ggml_type]
+    for bit, through matmul_row (the engine's dispatch). W is read once per call for all M rows.
+    runs: [(start, length, batched)] covering the rows (default: one batched run); llama.cpp picks its
+    K-quants' (and IQ4_XS's) arithmetic by the size of the batch it is given, so a batched run gets
+    the arithmetic of a llama.cpp batch of its length and a one-row run (decode, speculative checks)
+    gives each row the arithmetic of a single token."""
     w = layout_prefix(layout, ggml_type, n_out)
-    tiny_ok = ggml_type in DENSE_TYPES and layout.shape[0] % TINY_MR == 0   # tinyBLAS's tiles stay whole
-    out = np.empty((M, traits.layout_rows(w)), np.float32)
-    if ggml_type in DENSE_TYPES:
-        _dense_rows(ggml_type, w, rows.xf, *_run_arrays(runs, M), out, tiny_ok)
-    elif tiled16.wide(ggml_type, w.shape[0], *_run_arrays(runs, M)):
-        if AMX:
-            amx.tiled_prompt(ggml_type, w, rows.grouped16(False), rows.lanes16("dx"), M, out)
-        else:
-            bs16 = rows.lanes16("bs16") if ggml_type == T.Q2_K else NO_SUMS      # only Q2_K's minimums read them
-            tiled16.prompt(ggml_type, w, rows.grouped16(True), rows.lanes16("dx"), bs16, M, out)
-    elif ggml_type == T.Q6_K:
-        _q6_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
-    elif ggml_type == T.Q5_K:
-        _q5_k_rows(w, rows.xq, rows.dx, rows.bsp, *_run_arrays(runs, M), out)
-    elif ggml_type == T.Q3_K:
-        _q3_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
-    elif ggml_type == T.Q2_K:
-        _q2_k_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
-    elif ggml_type == T.IQ4_XS:
-        _iq4_xs_rows(w, rows.xq, rows.dx, rows.bs16, *_run_arrays(runs, M), out)
-    elif ggml_type == T.Q4_K:
-        runs = _run_arrays(runs, M)
-        n = wide_gemm_rows(*runs)
-        if n:                          # the gemm rows on the 16-row kernel, the rest with the gemv arithmetic
-            q4_k_prompt(w, rows.grouped16(False, n), rows.lanes16("bsp", n), rows.lanes16("dx", n), n, out)
-            runs = run_arrays([(n, M - n, False)]) if n < M else None
-        if runs is not None:
-            _q4_k_rows(w, rows.xq, rows.dx, rows.bsp, *runs, out)
-    elif has_panel(ggml_type) and M >= PANEL_MIN_ROWS:
-        panel_prompt(ggml_type, w, *rows.biased_groups(), M, out)
-    else:
-        _q0_x8_rows(ggml_type, w, rows.xq, rows.dx, rows.sx, rows.s1, out)
+    out = np.empty((rows.n_rows, TRAITS[ggml_type].layout_rows(w)), np.float32)
+    matmul_row(w, ggml_type, rows.q, _run_arrays(runs, rows.n_rows), out)
     return out if out.shape[1] == n_out else out[:, :n_out]
 
 

@@ -103,23 +103,3 @@ def round_activation(x, kind, out):
 
 _quantize_q8_0_serial = serial_twin(_quantize_q8_0)
 _quantize_q8_k_serial = serial_twin(_quantize_q8_k)
-
-
-def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/32) float32 holding f16 values,
-    16 x the 4-element group sums (M, K/4) int32, q8_1's s (M, K/32) float32 holding f16 values)."""
-    M, K = x.shape
-    xq, dx, sx = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32), np.empty((M, K // 4), np.int32)
-    s1 = np.empty((M, K // 32), np.float32)
-    (_quantize_q8_0 if M > 1 else _quantize_q8_0_serial)(x, xq, dx, sx, s1)
-    return xq, dx, sx, s1
-
-
-def quantize_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """x (M, K) float32 -> (xq (M, K) int8, dx (M, K/256) float32, 16-element sums (M, K/16) int16,
-    per 64 elements the two 32-element sums as two int16 in an int32 (M, K/64))."""
-    M, K = x.shape
-    xq, dx = np.empty((M, K), np.int8), np.empty((M, K // 256), np.float32)
-    bs16, bsp = np.empty((M, K // 16), np.int16), np.empty((M, K // 64), np.int32)
-    (_quantize_q8_k if M > 1 else _quantize_q8_k_serial)(x, xq, dx, bs16, bsp)
-    return xq, dx, bs16, bsp
