@@ -176,6 +176,23 @@ def reduce4x8(builder, s):
     return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
 
 
+def transpose(builder, vs):
+    """n vectors of n lanes (rows; n a power of two) -> their transpose (vector r holds lane r of
+    every input), in log2(n) butterfly stages: at stage s rows i and i+s (i & s == 0) swap their
+    off-diagonal blocks of s lanes."""
+    vs, n = list(vs), len(vs)
+    for s in (1 << k for k in range(n.bit_length() - 1)):
+        lo = ir.Constant(ir.VectorType(i32, n), [c if c & s == 0 else n + c - s for c in range(n)])   # a_i's even blocks, a_{i+s}'s moved down
+        hi = ir.Constant(ir.VectorType(i32, n), [c + s if c & s == 0 else n + c for c in range(n)])   # a_i's odd blocks moved up, a_{i+s}'s odd
+        out = list(vs)
+        for i in range(n):
+            if not i & s:
+                out[i] = builder.shuffle_vector(vs[i], vs[i + s], lo)
+                out[i + s] = builder.shuffle_vector(vs[i], vs[i + s], hi)
+        vs = out
+    return vs
+
+
 def array(context, builder, sig_arg, value):
     """numba array struct of an intrinsic argument."""
     return context.make_array(sig_arg)(context, builder, value)

@@ -36,7 +36,7 @@ from kernels import types as T
 from kernels.cpu.qdot.q4_k import Q4K_X8_BYTES
 from kernels.cpu.qdot.rows16 import V32S
 from kernels.cpu.qdot.tiled16 import unpack16
-from kernels.cpu.simd import (AMX, V16F, V16I, V32B, V64B, array, byte_ptr, c32, c64, call, f16, f32, i8, i32, load_as, not_this_variant, splat,
+from kernels.cpu.simd import (AMX, V16F, V16I, V32B, V64B, array, byte_ptr, c32, c64, call, f16, f32, i8, i32, load_as, not_this_variant, splat, transpose,
                               vload, vstore)
 
 PANEL_BYTES = 1 << 19          # a panel's unpacked parts stay in L2 beside two groups of activation rows
@@ -167,23 +167,6 @@ tiled_parts, tiled_parts_mins = _tiled_parts(False), _tiled_parts(True)
 # --- the tile kernels -------------------------------------------------------------------------------
 
 V16L = ir.VectorType(ir.IntType(64), 16)
-
-
-def transpose16(builder, vs):
-    """16 vectors of 16 floats (rows) -> their transpose (columns), in four butterfly stages: at
-    stage s rows i and i+s (i & s == 0) swap their off-diagonal blocks of s lanes."""
-    vs = list(vs)
-    for s in (1, 2, 4, 8):
-        out = list(vs)
-        for i in range(16):
-            if i & s:
-                continue
-            lo = [c if c & s == 0 else 16 + c - s for c in range(16)]      # a_i's even blocks, a_{i+s}'s moved down
-            hi = [c + s if c & s == 0 else 16 + c for c in range(16)]       # a_i's odd blocks moved up, a_{i+s}'s odd
-            out[i] = builder.shuffle_vector(vs[i], vs[i + s], ir.Constant(ir.VectorType(i32, 16), lo))
-            out[i + s] = builder.shuffle_vector(vs[i], vs[i + s], ir.Constant(ir.VectorType(i32, 16), hi))
-        vs = out
-    return vs
 
 
 def _masked_load(builder, ptr, mask):
@@ -332,11 +315,11 @@ def _tiles(kind: str, X: int):
                                     builder.store(ir.Constant(V16F, [0.0] * 16), accm[x][j])
                     with otherwise:
                         for x in range(X):
-                            t = transpose16(builder, [_masked_load(builder, p, ok) for p, ok in out_rows(x)])
+                            t = transpose(builder, [_masked_load(builder, p, ok) for p, ok in out_rows(x)])
                             for j in range(16):
                                 builder.store(t[j], acc[x][j])
                             if q4k:
-                                t = transpose16(builder, [vload(builder, p, V16F) for p in accm_rows(x)])
+                                t = transpose(builder, [vload(builder, p, V16F) for p in accm_rows(x)])
                                 for j in range(16):
                                     builder.store(t[j], accm[x][j])
                 for t in range(2 * X):
@@ -352,14 +335,14 @@ def _tiles(kind: str, X: int):
                             res = [builder.load(acc[x][j]) for j in range(16)]
                             if q4k:
                                 res = [builder.fsub(r, builder.load(accm[x][j])) for j, r in enumerate(res)]
-                            for (p, ok), v in zip(out_rows(x), transpose16(builder, res)):
+                            for (p, ok), v in zip(out_rows(x), transpose(builder, res)):
                                 _masked_store(builder, v, p, ok)
                     with otherwise:
                         for x in range(X):
-                            for (p, ok), v in zip(out_rows(x), transpose16(builder, [builder.load(acc[x][j]) for j in range(16)])):
+                            for (p, ok), v in zip(out_rows(x), transpose(builder, [builder.load(acc[x][j]) for j in range(16)])):
                                 _masked_store(builder, v, p, ok)
                             if q4k:
-                                for p, v in zip(accm_rows(x), transpose16(builder, [builder.load(accm[x][j]) for j in range(16)])):
+                                for p, v in zip(accm_rows(x), transpose(builder, [builder.load(accm[x][j]) for j in range(16)])):
                                     vstore(builder, v, p)
             _asm(builder, "tilerelease")
             return context.get_dummy_value()

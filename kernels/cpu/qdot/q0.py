@@ -13,7 +13,7 @@ from kernels import types as T
 from kernels.cpu.qdot.common import NB_PAD, PREFETCH
 from kernels.cpu.simd import (
     V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i32, i64, load_as,
-    V16F, V16I, V64B, VNNI, WIDE, dot4, psign, pshufb, splat, vconst, vload, vstore,
+    V16F, V16I, V64B, VNNI, WIDE, dot4, psign, pshufb, splat, transpose, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -641,24 +641,6 @@ def _q0_x8_rows(ggml_type, wx8, xq, dx, sx, s1, out):
                 _q0_x8_some(ggml_type, wx8, g, xq, dx, sx, s1, m0, min(X8_ROWS, M - m0), out)
 
 
-def _transpose8x8(builder, vs):
-    """8 vectors of 8 int32 -> their transpose (vector r holds lane r of every input)."""
-    V = ir.VectorType(i32, 8)
-    sh = lambda a, b, idx: builder.shuffle_vector(a, b, ir.Constant(V, idx))   # noqa: E731
-    t = []
-    for a, b in zip(vs[0::2], vs[1::2]):                       # unpack lo / hi epi32
-        t += [sh(a, b, [0, 8, 1, 9, 4, 12, 5, 13]), sh(a, b, [2, 10, 3, 11, 6, 14, 7, 15])]
-    u = []
-    for a, b in ((t[0], t[2]), (t[1], t[3]), (t[4], t[6]), (t[5], t[7])):   # unpack lo / hi epi64
-        u += [sh(a, b, [0, 1, 8, 9, 4, 5, 12, 13]), sh(a, b, [2, 3, 10, 11, 6, 7, 14, 15])]
-    # u: [r0|r4 low halves...]: combine 128-bit halves
-    out = [None] * 8
-    for r, (a, b) in enumerate(((u[0], u[4]), (u[1], u[5]), (u[2], u[6]), (u[3], u[7]))):
-        out[r] = sh(a, b, [0, 1, 2, 3, 8, 9, 10, 11])
-        out[r + 4] = sh(a, b, [4, 5, 6, 7, 12, 13, 14, 15])
-    return out
-
-
 def _x8_panel_unpacker(ggml_type: int):
     """unpack(wx8, g0, n_groups, wp, cp, dwp): groups g0 .. g0+n_groups-1 of a Q5_0 or Q8_0 x8 matrix
     -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32) int8 values (Q5_0's q - 16), cp (P, nb, 8)
@@ -686,7 +668,7 @@ def _x8_panel_unpacker(ggml_type: int):
                 p = builder.gep(src, [builder.mul(b, c64(block))])
                 blk = _X8Block(builder, ggml_type, p)
                 groups = [builder.bitcast(builder.sub(blk.group(k), vconst(V32B, offset)), V8I) for k in range(8)]
-                rows = _transpose8x8(builder, groups)                # row r: its 32 values
+                rows = transpose(builder, groups)                # row r: its 32 values
                 d8 = blk.scales()
                 for r in range(8):
                     row = builder.add(builder.mul(grp, c64(8)), c64(r))
