@@ -205,6 +205,20 @@ class GGUFFile:
         return SimpleNamespace(name=t.name, tensor_type=GGMLQuantizationType(t.ggml_type), shape=np.array(t.shape),
                                n_elements=t.n_elements, n_bytes=t.n_bytes, data_offset=t.offset, data=data)
 
+    def resident(self, name: str) -> np.ndarray:
+        """Tensor `name`'s data (as reader.tensors has it) copied into this process's own memory,
+        and the file's pages under it unmapped from this process again. Why: numpy asks the kernel
+        for huge pages for a large array (madvise), a file mapping gets 4 KB pages, and decode streams
+        every weight once per token, so the TLB misses of 4 KB pages cost it time (models.transformer
+        weights_in_memory). Unmapping keeps the process's RSS at one copy of the weights."""
+        t = self.tensors[name]
+        copy = np.array(self._reader_tensor(t).data)
+        page = mmap.PAGESIZE
+        start, end = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return copy
+
     # --- metadata --------------------------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value as a Python object (str, int, float, bool or list), or `default`."""

@@ -223,8 +223,19 @@ def test_models_list_info_path(qwen_path):
     assert "Q4_K" in text and "context length  32768" in text
     from kernels.cpu.isa import variant
     assert f"CPU kernels     {variant()} (KVCHAT_ISA=native;" in text
-    forced = run_kvchat("models", "info", str(qwen_path), env={"KVCHAT_ISA": "avx2", "KVCHAT_PREFETCH": "l1"}).stdout.decode()
+    forced = run_kvchat("models", "info", str(qwen_path),
+                        env={"KVCHAT_ISA": "avx2", "KVCHAT_PREFETCH": "l1", "KVCHAT_WEIGHTS": "mapped"}).stdout.decode()
     assert "CPU kernels     avx2 (KVCHAT_ISA=avx2;" in forced and "prefetch into l1 (KVCHAT_PREFETCH)" in forced
+    assert "weights         mapped from their files (KVCHAT_WEIGHTS)" in forced
+    memory = run_kvchat("models", "info", str(qwen_path), env={"KVCHAT_WEIGHTS": "memory"}).stdout.decode()
+    assert "weights         read into memory (KVCHAT_WEIGHTS)" in memory
+
+
+def test_an_unusable_weights_choice_is_one_line_and_exit_2(qwen_path):
+    out = run_kvchat("run", "-m", str(qwen_path), "hi", env={"KVCHAT_WEIGHTS": "hugepages"})
+    err = out.stderr.decode()
+    assert out.returncode == 2 and err.strip().splitlines() == [
+        "kvchat: error: KVCHAT_WEIGHTS='hugepages' is not one of auto, memory, mapped"], err
 
 
 def test_an_unusable_prefetch_choice_is_one_line_and_exit_2(qwen_path):

@@ -1,5 +1,6 @@
 """The exact kernels' repacked weights (8-row layouts, fused q/k/v and gate/up) are cached on disk
-and memory-mapped back on the next load."""
+and read back on the next load, into memory or as a mapping (KVCHAT_WEIGHTS)."""
+import mmap
 import os
 
 import numpy as np
@@ -14,8 +15,14 @@ def _exact(model):
     return [m for m in model._matrices() if m.exact is not None]
 
 
+@pytest.mark.parametrize("where", ["memory", "mapped"])
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
-def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, qtype):
+def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, monkeypatch, qtype, where):
+    """The second load reads every repacked layout from its file, never repacking again, into the
+    process's memory or as a mapping of the file (KVCHAT_WEIGHTS), with the same bytes."""
+    from models import transformer
+
+    monkeypatch.setenv("KVCHAT_WEIGHTS", where)
     g, _ = tiny_model("qwen2", qtype)
     fresh = load_model(g, cache_dir=tmp_path / "w")
     files = sorted((tmp_path / "w").glob("*.x8.npy"))
@@ -24,11 +31,87 @@ def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, qtype):
     assert len(files) == len(repacked) > 0                         # one file per repacked matrix, nothing else
     # q, k, v and gate, up of one type run fused: one file (and one matrix) per group
     assert any("+" in f.name for f in files)
+    built = []
+    real = transformer.exact_layout
+    monkeypatch.setattr(transformer, "exact_layout", lambda raw, t, *a: built.append(t) or real(raw, t, *a))
     cached = load_model(g, cache_dir=tmp_path / "w")
+    assert not [t for t in built if t in transformer.REPACKED_TYPES]          # read, not rebuilt
     for a, b in zip(_exact(fresh), _exact(cached)):
-        if a.ggml_type != Q6_K or a.raw is None:
-            assert isinstance(b.exact, np.memmap) or isinstance(b.exact.base, np.memmap)   # mapped, not rebuilt
+        in_place = a.ggml_type == Q6_K and a.raw is not None
+        assert _mapped(b.exact) == (where == "mapped"), (where, b.exact.base)
+        if in_place:                      # the GGUF rows: a view of the file, or a copy
+            assert np.shares_memory(b.exact, b.raw) == (where == "mapped")
         np.testing.assert_array_equal(np.asarray(a.exact), np.asarray(b.exact))
+
+
+@pytest.mark.parametrize("where", ["memory", "mapped"])
+def test_weights_in_memory_leave_the_file_unmapped(tmp_path, monkeypatch, where):
+    """In memory, a matrix read in place is copied and the file's pages under it leave the process
+    (its RSS holds the weights once); mapped, the kernels read the file's own pages."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from kernels.reference import random_quantized
+    from models.gguf_file import open_model
+    from models.transformer import Weights
+
+    monkeypatch.setenv("KVCHAT_WEIGHTS", where)
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("a.weight", random_quantized(Q6_K, 1024, 1024, np.random.default_rng(0)),
+                      raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    g = open_model(path)
+    m = Weights(g).matrix("a.weight")
+    assert int(np.asarray(m.exact).sum(dtype=np.int64)) >= 0          # every byte read once
+    held = _mapped_rss(path)
+    if where == "memory":
+        assert held < 64 << 10, held                   # the header's pages, not the 860 KB of weights
+    else:
+        assert held >= m.exact.nbytes, held
+
+
+def _mapped(a: np.ndarray) -> bool:
+    """Is the memory under `a` a file mapping (numpy's memmap or the GGUF reader's mmap)?"""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+
+
+def _mapped_rss(path) -> int:
+    """Bytes of this process's mappings of `path` that are resident (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            ours = line.rstrip().endswith(str(path))
+        elif ours and head[0] == "Rss:":
+            total += int(head[1]) << 10
+    return total
+
+
+def test_weights_choice(tmp_path, monkeypatch):
+    """auto reads the weights into memory where the kernel gives transparent huge pages, maps them
+    elsewhere; KVCHAT_WEIGHTS forces either, and refuses anything else."""
+    from models import transformer
+
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(transformer, "THP_SETTING", setting)
+    monkeypatch.delenv("KVCHAT_WEIGHTS", raising=False)
+    assert not transformer.weights_in_memory()                       # no such setting: no huge pages
+    for text, expect in (("always [madvise] never", True), ("[always] madvise never", True), ("always madvise [never]", False)):
+        setting.write_text(text + "\n")
+        assert transformer.weights_in_memory() == expect
+        monkeypatch.setenv("KVCHAT_WEIGHTS", "mapped")
+        assert not transformer.weights_in_memory()
+        monkeypatch.setenv("KVCHAT_WEIGHTS", "memory")
+        assert transformer.weights_in_memory()
+        monkeypatch.delenv("KVCHAT_WEIGHTS")
+    monkeypatch.setenv("KVCHAT_WEIGHTS", "hugepages")
+    with pytest.raises(BadInputError, match="KVCHAT_WEIGHTS='hugepages' is not one of auto, memory, mapped"):
+        transformer.weights_in_memory()
 
 
 def test_damaged_cache_entry_is_rebuilt(tiny_model, tmp_path):
