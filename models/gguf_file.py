@@ -10,6 +10,7 @@ gguf.GGUFReader lays it out (typed arrays for F32/F16, uint8 rows of blocks othe
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class GGUFFile:
             raise BadInputError(f"not a GGUF file (bad magic {magic!r}): {self.path}")
         with open(self.path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            st = os.fstat(f.fileno())
+            self._identity = (st.st_ino, st.st_dev)
         try:
             self.fields, raw_tensors, data_start = self._parse_header(_Cursor(self._mmap, self.file_size))
         except (_Truncated, struct.error):
@@ -206,18 +209,25 @@ class GGUFFile:
                                n_elements=t.n_elements, n_bytes=t.n_bytes, data_offset=t.offset, data=data)
 
     def resident(self, name: str) -> np.ndarray:
-        """Tensor `name`'s data (as reader.tensors has it) copied into this process's own memory,
-        and the file's pages under it unmapped from this process again. Why: numpy asks the kernel
-        for huge pages for a large array (madvise), a file mapping gets 4 KB pages, and decode streams
-        every weight once per token, so the TLB misses of 4 KB pages cost it time (models.transformer
-        weights_in_memory). Unmapping keeps the process's RSS at one copy of the weights."""
+        """Tensor `name`'s data (as reader.tensors has it) read into this process's own memory.
+        Why: numpy asks the kernel for huge pages for a large array (madvise), a file mapping gets
+        4 KB pages, and decode streams every weight once per token, so the TLB misses of 4 KB pages
+        cost it time (models.transformer weights_in_memory). It is read from the file, not copied
+        from the mapping, so the mapping's pages never join the RSS (one copy of the weights), and
+        from the file this object mapped (a replaced file is caught by its identity)."""
         t = self.tensors[name]
-        copy = np.array(self._reader_tensor(t).data)
-        page = mmap.PAGESIZE
-        start, end = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
-        if end > start and hasattr(mmap, "MADV_DONTNEED"):
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
-        return copy
+        view = self._reader_tensor(t).data
+        buf = np.empty(t.n_bytes, np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            if (os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_dev) != self._identity:
+                return np.array(view)                       # another file now: copy the mapped one
+            got = 0
+            while got < t.n_bytes:
+                n = os.preadv(f.fileno(), [buf[got:]], t.offset + got)
+                if n <= 0:
+                    raise BadInputError(f"{self.path.name} was truncated while loading")
+                got += n
+        return buf.view(view.dtype).reshape(view.shape)
 
     # --- metadata --------------------------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:

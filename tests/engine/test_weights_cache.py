@@ -46,8 +46,8 @@ def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, monkeypatch, q
 
 @pytest.mark.parametrize("where", ["memory", "mapped"])
 def test_weights_in_memory_leave_the_file_unmapped(tmp_path, monkeypatch, where):
-    """In memory, a matrix read in place is copied and the file's pages under it leave the process
-    (its RSS holds the weights once); mapped, the kernels read the file's own pages."""
+    """In memory, a matrix read in place is read from the file, and the mapping's pages never join
+    the process's RSS (it holds the weights once); mapped, the kernels read the file's own pages."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from kernels.reference import random_quantized
@@ -68,7 +68,7 @@ def test_weights_in_memory_leave_the_file_unmapped(tmp_path, monkeypatch, where)
     assert int(np.asarray(m.exact).sum(dtype=np.int64)) >= 0          # every byte read once
     held = _mapped_rss(path)
     if where == "memory":
-        assert held < 64 << 10, held                   # the header's pages, not the 860 KB of weights
+        assert held <= 128 << 10, held     # the header's pages (and the kernel's fault-around), not the 860 KB of weights
     else:
         assert held >= m.exact.nbytes, held
 
