@@ -181,6 +181,7 @@ def transpose(builder, vs):
     every input), in log2(n) butterfly stages: at stage s rows i and i+s (i & s == 0) swap their
     off-diagonal blocks of s lanes."""
     vs, n = list(vs), len(vs)
+    assert n & (n - 1) == 0, n
     for s in (1 << k for k in range(n.bit_length() - 1)):
         lo = ir.Constant(ir.VectorType(i32, n), [c if c & s == 0 else n + c - s for c in range(n)])   # a_i's even blocks, a_{i+s}'s moved down
         hi = ir.Constant(ir.VectorType(i32, n), [c + s if c & s == 0 else n + c for c in range(n)])   # a_i's odd blocks moved up, a_{i+s}'s odd

@@ -217,6 +217,33 @@ def test_first_rows_only(ggml_type, n_out):
     np.testing.assert_array_equal(qm.matmul_int8(rows, n_out), qm.matmul_int8(rows)[:, :n_out])
 
 
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=_name)
+@pytest.mark.parametrize("n_out", [4, 8, 41])
+def test_first_rows_of_a_ragged_dense_matrix(ggml_type, n_out):
+    """42 rows are not whole tinyBLAS tiles, so llama.cpp does not tile W at all: its first n_out
+    rows (4 and 8 are whole tiles) get the untiled numbers too, as all of W does."""
+    rng = np.random.default_rng(n_out)
+    raw = random_quantized(ggml_type, 42, 256, rng)
+    qm = QMatrix(raw, ggml_type, 42, 256)
+    rows = Int8Rows(rng.standard_normal((3, 256)).astype(np.float32), TRAITS[ggml_type].vec_dot)
+    got = qm.matmul_int8(rows, n_out)
+    np.testing.assert_array_equal(got, _expected(ggml_type, raw, 256, rows, [(0, 3, True)])[:, :n_out])
+    np.testing.assert_array_equal(got, qm.matmul_int8(rows)[:, :n_out])
+
+
+def test_activation_rows_refuse_what_they_cannot_hold():
+    """Int8Rows quantizes whole blocks only (a partial one would be read past its end), and has only
+    the forms of its kind."""
+    with pytest.raises(ValueError, match="multiple of 256"):
+        Int8Rows(np.ones((2, 100), np.float32), T.ACT_Q8_K)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int8Rows(np.ones((2, 48), np.float32), T.ACT_Q8_0)
+    with pytest.raises(AttributeError, match="no xf"):
+        Int8Rows(np.ones((2, 256), np.float32), T.ACT_Q8_K).xf
+    with pytest.raises(AttributeError, match="no bsp"):
+        Int8Rows(np.ones((2, 256), np.float32), T.ACT_F16).bsp
+
+
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
 def test_exact_parallel_and_serial_agree(ggml_type):
     import numba

@@ -64,25 +64,37 @@ class Int8Rows:
     own path), for matmul from Python."""
 
     def __init__(self, x: np.ndarray, kind: int):
-        if kind not in (ACT_Q8_0, ACT_Q8_K, ACT_F32, ACT_F16, ACT_BF16):
+        if kind not in _FORMS:
             raise ValueError(f"unknown activation type {kind!r}")
         x = np.ascontiguousarray(x, np.float32)
+        block = {ACT_Q8_0: 32, ACT_Q8_K: 256}.get(kind, 1)
+        if x.ndim != 2 or x.shape[1] % block:          # the quantizers assume whole blocks
+            raise ValueError(f"activation rows of shape {x.shape}: need (M, K) with K a multiple of {block}")
         self.kind = kind
         self.q = Q8Buffers.alloc(*x.shape)
         quantize_into(x, kind, self.q)
 
     @property
     def n_rows(self) -> int:
-        return self.q.xq.shape[0]
+        return self.q.xf.shape[0]
 
-    # the forms of this kind (q8_0: xq, dx, sx, s1; q8_K: xq, dx, bs16, bsp; the float kinds: xf)
-    xq = property(lambda self: self.q.xq)
-    dx = property(lambda self: self.q.dx0 if self.kind == ACT_Q8_0 else self.q.dxk)
-    sx = property(lambda self: self.q.sx)
-    s1 = property(lambda self: self.q.s1)
-    bs16 = property(lambda self: self.q.bs16)
-    bsp = property(lambda self: self.q.bsp)
-    xf = property(lambda self: self.q.xf)
+    def _form(self, name: str) -> np.ndarray:
+        if name not in _FORMS[self.kind]:               # Q8Buffers holds it, but not written for this kind
+            raise AttributeError(f"activation rows of kind {self.kind} have no {name}")
+        return getattr(self.q, {"dx": "dx0" if self.kind == ACT_Q8_0 else "dxk"}.get(name, name))
+
+    xq = property(lambda self: self._form("xq"))
+    dx = property(lambda self: self._form("dx"))
+    sx = property(lambda self: self._form("sx"))
+    s1 = property(lambda self: self._form("s1"))
+    bs16 = property(lambda self: self._form("bs16"))
+    bsp = property(lambda self: self._form("bsp"))
+    xf = property(lambda self: self._form("xf"))
+
+
+# The forms quantize_into writes for each activation kind.
+_FORMS = {ACT_Q8_0: ("xq", "dx", "sx", "s1"), ACT_Q8_K: ("xq", "dx", "bs16", "bsp"),
+          ACT_F32: ("xf",), ACT_F16: ("xf",), ACT_BF16: ("xf",)}
 
 
 # The K-quants' prompt kernels of the chosen variant: on AMX tiles (kernels.cpu.qdot.amx), else the
@@ -211,7 +223,8 @@ def quantize_into(h, kind, q):
 def matmul_row(layout, ggml_type, q, runs, out):
     """Quantized activation rows q (Q8Buffers) times an exact layout into out (R, rows of the
     layout), inside compiled code: the dispatch over the exact types, written once. runs: the three
-    arrays of run_arrays."""
+    arrays of run_arrays. A dense layout must be whole tinyBLAS tiles or all of W (layout_prefix),
+    since whether llama.cpp tiles it is read from its rows here."""
     run_start, run_len, run_batched = runs
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
