@@ -403,8 +403,8 @@ def cmd_models(args) -> int:
                 from kernels.cpu.isa import ISA_ENV, PREFETCH_ENV, chosen, prefetch_target, variant
                 print(f"CPU kernels     {variant()} ({ISA_ENV}={chosen()}; every variant computes the same bits), "
                       f"prefetch into {prefetch_target()} ({PREFETCH_ENV})")
-                from models.transformer import WEIGHTS_ENV, weights_in_memory
-                print("weights         " + ("read into memory" if weights_in_memory() else "mapped from their files")
+                from models.gguf_file import WEIGHTS_ENV, weights_in_memory
+                print("weights         " + ("read into memory" if weights_in_memory(info["file_size"]) else "mapped from their files")
                       + f" ({WEIGHTS_ENV})")
             slow = info["torch_dequantized"]
             print("torch engine    " + (f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow

@@ -4,8 +4,9 @@ The parser is ours and table-driven (type id -> struct format), because gguf's G
 numpy view per vocabulary string and takes ~10-20 s on a 262k-token vocabulary; this one takes
 well under a second. Every read is bounds-checked, so damage of any kind (a truncated header, a
 length that runs past the end, a tensor outside the file, an unknown architecture or tensor type)
-is a BadInputError with a one-line message. Tensor data stays memory-mapped, laid out as
-gguf.GGUFReader lays it out (typed arrays for F32/F16, uint8 rows of blocks otherwise).
+is a BadInputError with a one-line message. Tensor data is memory-mapped, laid out as
+gguf.GGUFReader lays it out (typed arrays for F32/F16, uint8 rows of blocks otherwise); `resident`
+reads a tensor into the process's memory instead (weights_in_memory says when).
 """
 from __future__ import annotations
 
@@ -97,6 +98,36 @@ class _Cursor:
                 return self.strings(n)
             return [self.value(itype) for _ in range(n)]
         raise BadInputError(f"unknown GGUF metadata type {vtype}")
+
+
+WEIGHTS_ENV = "KVCHAT_WEIGHTS"
+WEIGHTS_CHOICES = ("auto", "memory", "mapped")
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+MEMINFO = Path("/proc/meminfo")
+
+
+def weights_in_memory(n_bytes: int = 0) -> bool:
+    """Do the kernels read a model's weights (n_bytes of them) from the process's own memory
+    ("memory") or from mappings of their files ("mapped")? Decode reads every weight once per token,
+    and a file mapping has 4 KB pages: on the Intel Xeon of the README a token's matmuls streamed 8%
+    faster from memory, on the huge pages numpy asks Linux for (README: measured). A mapping costs
+    no load time and is shared by every process that maps the file, and its pages can be dropped
+    under memory pressure; a copy is the process's own. "auto": memory where the kernel hands out
+    transparent huge pages (its setting is `always` or `madvise`) and the weights take at most half
+    of the memory available now, mapped elsewhere. KVCHAT_WEIGHTS=memory|mapped forces it."""
+    choice = os.environ.get(WEIGHTS_ENV, "auto").strip().lower() or "auto"
+    if choice not in WEIGHTS_CHOICES:
+        raise BadInputError(f"{WEIGHTS_ENV}={choice!r} is not one of {', '.join(WEIGHTS_CHOICES)}")
+    if choice != "auto":
+        return choice == "memory"
+    try:
+        if "[never]" in THP_SETTING.read_text():
+            return False
+        available = next(int(line.split()[1]) << 10 for line in MEMINFO.read_text().splitlines()
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):   # not Linux, or no THP: nothing to gain
+        return False
+    return n_bytes <= available // 2
 
 
 @dataclass(frozen=True)
@@ -209,24 +240,27 @@ class GGUFFile:
                                n_elements=t.n_elements, n_bytes=t.n_bytes, data_offset=t.offset, data=data)
 
     def resident(self, name: str) -> np.ndarray:
-        """Tensor `name`'s data (as reader.tensors has it) read into this process's own memory.
-        Why: numpy asks the kernel for huge pages for a large array (madvise), a file mapping gets
-        4 KB pages, and decode streams every weight once per token, so the TLB misses of 4 KB pages
-        cost it time (models.transformer weights_in_memory). It is read from the file, not copied
-        from the mapping, so the mapping's pages never join the RSS (one copy of the weights), and
-        from the file this object mapped (a replaced file is caught by its identity)."""
+        """Tensor `name`'s data (as reader.tensors has it) read into this process's own memory
+        (weights_in_memory says why). It is read from the file, not copied from the mapping, so the
+        mapping's pages never join the RSS, and only from the file this object mapped: where the
+        path is gone or names another file now, it is copied from the mapping."""
         t = self.tensors[name]
         view = self._reader_tensor(t).data
         buf = np.empty(t.n_bytes, np.uint8)
-        with open(self.path, "rb", buffering=0) as f:
-            if (os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_dev) != self._identity:
-                return np.array(view)                       # another file now: copy the mapped one
-            got = 0
-            while got < t.n_bytes:
-                n = os.preadv(f.fileno(), [buf[got:]], t.offset + got)
-                if n <= 0:
-                    raise BadInputError(f"{self.path.name} was truncated while loading")
-                got += n
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                if (st.st_ino, st.st_dev) != self._identity:
+                    return np.array(view)
+                f.seek(t.offset)
+                got = 0
+                while got < t.n_bytes:
+                    n = f.readinto(memoryview(buf)[got:])
+                    if not n:
+                        raise BadInputError(f"{self.path.name} was truncated while it was being loaded")
+                    got += n
+        except OSError:
+            return np.array(view)
         return buf.view(view.dtype).reshape(view.shape)
 
     # --- metadata --------------------------------------------------------------------------

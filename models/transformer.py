@@ -22,11 +22,11 @@ from kernels.cpu import QMatrix, fused, rope_table
 from kernels.cpu.attention import attention_plan
 from kernels.cpu.libm import inv_sqrtf
 from kernels.cpu.ops import gelu_table
-from kernels.cpu.qdot import EXACT_TYPES, Q8Buffers, exact_layout, layout_prefix, run_arrays
+from kernels.cpu.qdot import EXACT_TYPES, Q8Buffers, exact_layout, has_exact_kernel, layout_prefix, run_arrays
 from kernels.types import TRAITS
 from models.architectures import ROPE_SCALING_TYPES
 from models.errors import BadInputError
-from models.gguf_file import GGUFFile
+from models.gguf_file import GGUFFile, weights_in_memory
 
 
 @dataclass(frozen=True)
@@ -108,40 +108,18 @@ def rope_freq_scale(g: GGUFFile) -> float:
     return 1.0 / factor if kind == "linear" and factor > 0 else 1.0
 
 
-WEIGHTS_ENV = "KVCHAT_WEIGHTS"
-WEIGHTS_CHOICES = ("auto", "memory", "mapped")
-THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def weights_in_memory() -> bool:
-    """Do the exact layouts live in the process's own memory ("memory") or stay mappings of their
-    files ("mapped")? Decode reads every weight once per token, and a file mapping has 4 KB pages:
-    on the Intel Xeon of the README a token's matmuls streamed 8% faster from a copy on the huge
-    pages numpy asks for (README: measured). A mapping is shared by every process that maps the
-    file; a copy is not. "auto": memory where the kernel hands out transparent huge pages (its
-    setting is `always` or `madvise`), mapped elsewhere. KVCHAT_WEIGHTS=memory|mapped forces it."""
-    choice = os.environ.get(WEIGHTS_ENV, "auto").strip().lower() or "auto"
-    if choice not in WEIGHTS_CHOICES:
-        raise BadInputError(f"{WEIGHTS_ENV}={choice!r} is not one of {', '.join(WEIGHTS_CHOICES)}")
-    if choice != "auto":
-        return choice == "memory"
-    try:
-        return "[never]" not in THP_SETTING.read_text()
-    except OSError:                      # not Linux, or no THP: nothing to gain from a copy
-        return False
-
-
 class Weights:
     """Tensors of a memory-mapped GGUF by name: matrices as QMatrix (kept quantized), vectors as float32.
 
-    With `cache_dir`, the exact kernels' repacked layouts (8 rows interleaved, qdot) are saved there
-    on the first load and read back on later ones; the other exact types are the GGUF rows
-    themselves. Both are read into memory or mapped, as weights_in_memory() says."""
+    With `cache_dir`, the exact kernels' repacked layouts (8 rows interleaved, qdot) and fused groups
+    (q/k/v, gate/up) are saved there on the first load and read back on later ones; a lone matrix of
+    the other exact types is the GGUF rows themselves. All of them are read into memory or stay
+    mappings of their files, as models.gguf_file.weights_in_memory says for this file."""
 
     def __init__(self, g: GGUFFile, cache_dir: Path | None = None):
         self.g = g
         self.cache_dir = cache_dir
-        self.in_memory = weights_in_memory()
+        self.in_memory = weights_in_memory(g.file_size)
         self._data = {t.name: t.data for t in g.reader.tensors}
 
     def __contains__(self, name: str) -> bool:
@@ -154,8 +132,8 @@ class Weights:
         return info, info.shape[0], int(np.prod(info.shape[1:]))    # ggml (K, N): W has N rows of K
 
     def _cached_layout(self, key: str, build) -> np.ndarray | None:
-        """An exact layout from the cache folder (memory-mapped), built and saved on first use (None:
-        build found no exact layout)."""
+        """An exact layout from the cache folder (read into memory or mapped), built and saved on
+        first use (None: build found no exact layout)."""
         if self.cache_dir is None:
             return build()
         path = self.cache_dir / f"{key}.x8.npy"
@@ -173,7 +151,7 @@ class Weights:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             np.save(tmp, layout)
             os.replace(tmp, path)
-            return layout if self.in_memory else np.load(path, mmap_mode="r")
+            return layout if self.in_memory else np.load(path, mmap_mode=mode)
         except OSError:           # the folder went (a newer version of this file, loaded meanwhile): run uncached
             tmp.unlink(missing_ok=True)
             return layout
@@ -186,9 +164,10 @@ class Weights:
             return QMatrix(self._data[name], info.ggml_type, n, k, build_exact=False)
         if info.ggml_type in REPACKED_TYPES:            # a repack is cached
             layout = self._cached_layout(name, lambda: exact_layout(self._data[name], info.ggml_type, n, k))
-        else:                                           # the GGUF rows
-            data = self.g.resident(name) if self.in_memory else self._data[name]
-            layout = exact_layout(data, info.ggml_type, n, k)
+        elif has_exact_kernel(info.ggml_type, n, k):    # the GGUF rows
+            layout = exact_layout(self.g.resident(name) if self.in_memory else self._data[name], info.ggml_type, n, k)
+        else:
+            layout = None
         # None where qdot has no exact kernel for this matrix (kernels.types' rows8)
         if layout is None:
             raise BadInputError(f"kvchat's engine has no exact kernel for {name} ({TRAITS[info.ggml_type].name}, "

@@ -35,7 +35,8 @@ def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, monkeypatch, q
     real = transformer.exact_layout
     monkeypatch.setattr(transformer, "exact_layout", lambda raw, t, *a: built.append(t) or real(raw, t, *a))
     cached = load_model(g, cache_dir=tmp_path / "w")
-    assert not [t for t in built if t in transformer.REPACKED_TYPES]          # read, not rebuilt
+    # read, not rebuilt: the only layouts built are the lone matrices read in place
+    assert len(built) == len([m for m in _exact(cached) if m.raw is not None and m.ggml_type not in transformer.REPACKED_TYPES])
     for a, b in zip(_exact(fresh), _exact(cached)):
         in_place = a.ggml_type == Q6_K and a.raw is not None
         assert _mapped(b.exact) == (where == "mapped"), (where, b.exact.base)
@@ -65,12 +66,51 @@ def test_weights_in_memory_leave_the_file_unmapped(tmp_path, monkeypatch, where)
     writer.close()
     g = open_model(path)
     m = Weights(g).matrix("a.weight")
-    assert int(np.asarray(m.exact).sum(dtype=np.int64)) >= 0          # every byte read once
-    held = _mapped_rss(path)
+    np.asarray(m.exact).sum(dtype=np.int64)                            # only to touch every byte
+    size, held = _mapped_rss(path)
+    assert size >= path.stat().st_size                                 # the mapping was found
     if where == "memory":
         assert held <= 128 << 10, held     # the header's pages (and the kernel's fault-around), not the 860 KB of weights
     else:
         assert held >= m.exact.nbytes, held
+
+
+def test_a_resident_tensor_comes_from_the_file_that_was_mapped(tmp_path):
+    """GGUFFile.resident reads the file it mapped: a file put in its place meanwhile is not read (the
+    mapping's bytes are), and one cut short meanwhile is a one-line error."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from kernels.reference import random_quantized
+    from models.gguf_file import open_model
+
+    def write(path, seed):
+        writer = GGUFWriter(str(path), "llama")
+        writer.add_tensor("a.weight", random_quantized(Q6_K, 64, 1024, np.random.default_rng(seed)),
+                          raw_dtype=GGMLQuantizationType.Q6_K)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    path, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
+    write(path, 0)
+    g = open_model(path)
+    want = np.array(g.reader.tensors[0].data)
+    np.testing.assert_array_equal(g.resident("a.weight"), want)
+    write(other, 1)
+    assert other.read_bytes() != path.read_bytes()
+    other.replace(path)                                    # another file under the same name
+    np.testing.assert_array_equal(g.resident("a.weight"), want)
+    path.unlink()                                          # no file under the name
+    np.testing.assert_array_equal(g.resident("a.weight"), want)
+
+    write(path, 2)
+    g = open_model(path)
+    t = g.tensors["a.weight"]
+    with open(path, "r+b") as f:                           # the same file, cut inside the tensor
+        f.truncate(t.offset + t.n_bytes // 2)
+    with pytest.raises(BadInputError, match="truncated while it was being loaded"):
+        g.resident("a.weight")
 
 
 def _mapped(a: np.ndarray) -> bool:
@@ -80,38 +120,45 @@ def _mapped(a: np.ndarray) -> bool:
     return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
 
 
-def _mapped_rss(path) -> int:
-    """Bytes of this process's mappings of `path` that are resident (/proc/self/smaps)."""
-    total, ours = 0, False
+def _mapped_rss(path) -> tuple[int, int]:
+    """(size, resident bytes) of this process's mappings of `path` (/proc/self/smaps)."""
+    size, rss, ours = 0, 0, False
     for line in open("/proc/self/smaps"):
         head = line.split()
         if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
             ours = line.rstrip().endswith(str(path))
-        elif ours and head[0] == "Rss:":
-            total += int(head[1]) << 10
-    return total
+        elif ours and head[0] in ("Size:", "Rss:"):
+            n = int(head[1]) << 10
+            size, rss = (size + n, rss) if head[0] == "Size:" else (size, rss + n)
+    return size, rss
 
 
 def test_weights_choice(tmp_path, monkeypatch):
-    """auto reads the weights into memory where the kernel gives transparent huge pages, maps them
-    elsewhere; KVCHAT_WEIGHTS forces either, and refuses anything else."""
-    from models import transformer
+    """auto reads the weights into memory where the kernel gives transparent huge pages and they take
+    at most half of the available memory, and maps them elsewhere; KVCHAT_WEIGHTS forces either, and
+    refuses anything else."""
+    from models import gguf_file
 
-    setting = tmp_path / "enabled"
-    monkeypatch.setattr(transformer, "THP_SETTING", setting)
+    setting, meminfo = tmp_path / "enabled", tmp_path / "meminfo"
+    monkeypatch.setattr(gguf_file, "THP_SETTING", setting)
+    monkeypatch.setattr(gguf_file, "MEMINFO", meminfo)
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
     monkeypatch.delenv("KVCHAT_WEIGHTS", raising=False)
-    assert not transformer.weights_in_memory()                       # no such setting: no huge pages
+    assert not gguf_file.weights_in_memory()                       # no such setting: no huge pages
     for text, expect in (("always [madvise] never", True), ("[always] madvise never", True), ("always madvise [never]", False)):
         setting.write_text(text + "\n")
-        assert transformer.weights_in_memory() == expect
+        assert gguf_file.weights_in_memory(4_000_000 << 10) == expect
+        assert not gguf_file.weights_in_memory(4_000_001 << 10)     # more than half of what is available
         monkeypatch.setenv("KVCHAT_WEIGHTS", "mapped")
-        assert not transformer.weights_in_memory()
+        assert not gguf_file.weights_in_memory()
         monkeypatch.setenv("KVCHAT_WEIGHTS", "memory")
-        assert transformer.weights_in_memory()
+        assert gguf_file.weights_in_memory(10 ** 12)
         monkeypatch.delenv("KVCHAT_WEIGHTS")
+    meminfo.unlink()
+    assert not gguf_file.weights_in_memory()                       # nothing says what is available
     monkeypatch.setenv("KVCHAT_WEIGHTS", "hugepages")
     with pytest.raises(BadInputError, match="KVCHAT_WEIGHTS='hugepages' is not one of auto, memory, mapped"):
-        transformer.weights_in_memory()
+        gguf_file.weights_in_memory()
 
 
 def test_damaged_cache_entry_is_rebuilt(tiny_model, tmp_path):
