@@ -100,11 +100,12 @@ PREFETCH_ASM = {"l1": "prefetcht0", "l2": "prefetcht1"}
 ASM_CHECK = """
 import numpy as np
 from kernels import types as T
-from kernels.cpu.qdot import Int8Rows, exact_layout, matmul
+from kernels.cpu.qdot import Int8Rows, exact_layout, run_arrays
 from kernels.cpu.qdot.q4_k import _q4_k_rows
 raw = np.random.default_rng(0).integers(0, 256, size=(64, 6 * 144), dtype=np.uint8)
-x = np.random.default_rng(1).standard_normal((1, 1536)).astype(np.float32)
-matmul(exact_layout(raw, T.Q4_K, 64, 1536), T.Q4_K, Int8Rows(x, T.TRAITS[T.Q4_K].vec_dot), 64)
+rows = Int8Rows(np.random.default_rng(1).standard_normal((1, 1536)).astype(np.float32), T.TRAITS[T.Q4_K].vec_dot)
+# the decode kernel alone: matmul would compile every type's kernels into this fresh cache
+_q4_k_rows(exact_layout(raw, T.Q4_K, 64, 1536), rows.xq, rows.dx, rows.bsp, *run_arrays([(0, 1, False)]), np.empty((1, 64), np.float32))
 asm = "\\n".join(_q4_k_rows.inspect_asm().values())
 print({i: asm.count(i) for i in ("prefetcht0", "prefetcht1")})
 """
