@@ -49,21 +49,11 @@ def test_cached_layouts_give_the_same_model(tiny_model, tmp_path, monkeypatch, q
 def test_weights_in_memory_leave_the_file_unmapped(tmp_path, monkeypatch, where):
     """In memory, a matrix read in place is read from the file, and the mapping's pages never join
     the process's RSS (it holds the weights once); mapped, the kernels read the file's own pages."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    from kernels.reference import random_quantized
     from models.gguf_file import open_model
     from models.transformer import Weights
 
     monkeypatch.setenv("KVCHAT_WEIGHTS", where)
-    path = tmp_path / "m.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("a.weight", random_quantized(Q6_K, 1024, 1024, np.random.default_rng(0)),
-                      raw_dtype=GGMLQuantizationType.Q6_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _write_matrices(tmp_path / "m.gguf", [("a.weight", Q6_K, 1024, 1024)])
     g = open_model(path)
     m = Weights(g).matrix("a.weight")
     np.asarray(m.exact).sum(dtype=np.int64)                            # only to touch every byte
@@ -78,19 +68,10 @@ def test_weights_in_memory_leave_the_file_unmapped(tmp_path, monkeypatch, where)
 def test_a_resident_tensor_comes_from_the_file_that_was_mapped(tmp_path):
     """GGUFFile.resident reads the file it mapped: a file put in its place meanwhile is not read (the
     mapping's bytes are), and one cut short meanwhile is a one-line error."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    from kernels.reference import random_quantized
     from models.gguf_file import open_model
 
     def write(path, seed):
-        writer = GGUFWriter(str(path), "llama")
-        writer.add_tensor("a.weight", random_quantized(Q6_K, 64, 1024, np.random.default_rng(seed)),
-                          raw_dtype=GGMLQuantizationType.Q6_K)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        _write_matrices(path, [("a.weight", Q6_K, 64, 1024)], seed)
 
     path, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
     write(path, 0)
@@ -131,6 +112,23 @@ def _mapped_rss(path) -> tuple[int, int]:
             n = int(head[1]) << 10
             size, rss = (size + n, rss) if head[0] == "Size:" else (size, rss + n)
     return size, rss
+
+
+def _write_matrices(path, matrices, seed: int = 0):
+    """A GGUF holding only random quantized matrices [(name, ggml type, rows, cols)], at `path`."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from kernels.reference import random_quantized
+
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), "llama")
+    for name, ggml_type, rows, cols in matrices:
+        writer.add_tensor(name, random_quantized(ggml_type, rows, cols, rng), raw_dtype=GGMLQuantizationType(ggml_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def test_weights_choice(tmp_path, monkeypatch):
@@ -203,23 +201,11 @@ def test_a_matrix_without_an_exact_layout_caches_nothing(tmp_path):
     """Q4_K with 12 rows: llama.cpp repacks only a multiple of 8 rows (and its other kernel is not
     reproduced), so kvchat's CPU engine refuses the file, naming the matrix, and caches nothing for
     it; the 16-row one beside it is repacked and cached."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    from kernels.reference import random_quantized
     from kernels.types import Q4_K
     from models.gguf_file import open_model
     from models.transformer import Weights
 
-    path = tmp_path / "m.gguf"
-    writer = GGUFWriter(str(path), "llama")
-    rng = np.random.default_rng(0)
-    for name, rows in (("a.weight", 12), ("b.weight", 16)):
-        writer.add_tensor(name, random_quantized(Q4_K, rows, 256, rng), raw_dtype=GGMLQuantizationType.Q4_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    g = open_model(path)
+    g = open_model(_write_matrices(tmp_path / "m.gguf", [("a.weight", Q4_K, 12, 256), ("b.weight", Q4_K, 16, 256)]))
     w = Weights(g, cache_dir=tmp_path / "w")
     with pytest.raises(BadInputError, match="a.weight"):     # the engine says which, auto takes llama.cpp
         w.matrix("a.weight")
