@@ -30,6 +30,7 @@ QK = {t: (TRAITS[t].block, TRAITS[t].size) for t in GEMV_TYPES}   # (elements, b
 # the same ids as compile-time constants inside the kernels (Triton reads only constexpr globals)
 _Q8_0, _Q5_0, _Q4_K = tl.constexpr(Q8_0), tl.constexpr(Q5_0), tl.constexpr(Q4_K)
 SUPPORTED = tuple(QK)
+GEMV_FEW_ROWS = 512    # a matrix of at most this many rows is read in wider tiles (dequant_gemv)
 
 
 @triton.jit
@@ -120,13 +121,16 @@ def check_blocks(kernel: str, w_raw: torch.Tensor, ggml_type: int, n_cols: int) 
 
 
 def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tensor,
-                 block_r: int = 0, block_k: int = 0, num_warps: int = 4) -> torch.Tensor:
+                 block_r: int = 0, block_k: int = 0, num_warps: int = 0) -> torch.Tensor:
     """y = W @ x in fp32. w_raw uint8 (N, row_bytes) GGUF blocks; x (K,) or (M, K) -> (N,) or (M, N).
 
-    BLOCK_R rows x BLOCK_K columns per tile: 16 x 256 on the GPU (a whole Q4_K/Q6_K block per
-    row per step, N/16 programs: 56 programs per SM-wave for a 896-wide 0.5B layer already),
-    up to 1024 x 256 under the interpreter. BLOCK_K must divide into whole quant blocks only for speed,
-    not for correctness: every column finds its block itself.
+    BLOCK_R rows x BLOCK_K columns per tile. On the GPU one row per program: the kernel is bound by
+    the instructions that rebuild each weight, not by memory, so the more programs in flight the
+    better; a matrix of few rows (a k or v projection) takes 512-column tiles on two warps. Chosen
+    from a sweep of tile shapes on an H200 over the 1.5B registry model's decode shapes (README, "The
+    GPU engine"; tests/gpu_gemv_sweep.py reruns it). Under the interpreter, which pays per operation
+    and not per element: few programs with big tiles, up to 1024 x 256. Any tile gives the same
+    products (BLOCK_K need not divide into whole quant blocks: every column finds its block itself).
     """
     check_blocks("dequant_gemv", w_raw, ggml_type, n_cols)
     w_raw = w_raw.contiguous()
@@ -137,9 +141,11 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     M, N = x2.shape[0], w_raw.shape[0]
     y = torch.empty((M, N), dtype=torch.float32, device=x.device)
     interp = x.device.type == "cpu"
-    # the interpreter pays per operation, not per element: few programs with big tiles
-    block_r = block_r or (min(1024, triton.next_power_of_2(N)) if interp else 16)
-    block_k = block_k or 256
+    if interp:
+        block_r, block_k, num_warps = block_r or min(1024, triton.next_power_of_2(N)), block_k or 256, num_warps or 4
+    else:
+        few = N <= GEMV_FEW_ROWS
+        block_r, block_k, num_warps = block_r or 1, block_k or (512 if few else 256), num_warps or (2 if few else 1)
     _gemv_kernel[(triton.cdiv(N, block_r), M)](
         w_raw, x2, y, N, n_cols, w_raw.shape[1], x2.stride(0), y.stride(0),
         QTYPE=ggml_type, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,

@@ -404,7 +404,7 @@ comp(A._decode_merge_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 for q in G.SUPPORTED:
     for xdt in ("fp16", "fp32"):        # the torch engine passes fp32 activations
         sig = dict(w_ptr="*u8", x_ptr="*" + xdt, y_ptr="*fp32", N=i32, K=i32, row_bytes=i32, s_xm=i32, s_ym=i32)
-        c = dict(QTYPE=q, BLOCK_R=16, BLOCK_K=256)
+        c = dict(QTYPE=q, BLOCK_R=1, BLOCK_K=256)     # dequant_gemv's tile on a GPU
         comp(G._gemv_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 for j, q in enumerate(G.SUPPORTED):     # all rows (rows_ptr is w_raw, unused) and gathers; fp16 out, and fp32/bf16
     for rows_t, out_t in (("*u8", "fp16"), ("*i64", "fp16"), ("*i32", ("fp32", "bf16")[j % 2])):

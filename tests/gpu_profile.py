@@ -1,0 +1,51 @@
+"""Where a torch-engine decode step's time goes on a GPU: the step's wall time replayed from CUDA
+graphs and run eagerly, and the eager step's kernels by their CUDA time (torch.profiler).
+
+    python3 -m tests.gpu_profile MODEL.gguf      (tests/gpu_check.sh runs it on the 1.5B's twin)
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from core.sampler import Sampler
+from core.tokenizer import Tokenizer
+from core.torch_backend import TorchBackend
+from core.types import SamplingParams
+from models.gguf_file import open_model
+
+
+def main(path: str) -> None:
+    g = open_model(path)
+    tok = Tokenizer.from_gguf(g)
+    be = TorchBackend(g, tok, 1024, "cuda")
+    greedy = Sampler(SamplingParams(temperature=0.0), tok.n_vocab)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(10, 1000, 16)]
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            be.extend_sample([7], greedy)
+        torch.cuda.synchronize()
+
+    graphs = be.graph_batch_max
+    for name, batch_max in (("graphs", graphs), ("eager", 0)):
+        be.seq.release()
+        be.extend(prompt)
+        be.graph_batch_max = batch_max
+        steps(3)
+        t = time.perf_counter()
+        steps(30)
+        dt = (time.perf_counter() - t) / 30
+        print(f"decode step, {name}: {dt * 1e3:.2f} ms ({1 / dt:.1f} tokens/s)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps(5)
+    print("5 eager steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
