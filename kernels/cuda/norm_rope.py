@@ -1,7 +1,8 @@
 """Triton RMSNorm and RoPE, fusable into one pass (per-head q/k norm + RoPE, as gemma3 needs).
 
-One program per row of D elements (a token's hidden vector, or one head of q/k), the whole row
-in registers (BLOCK_D = next_pow2(D); fine up to ~16k). In fp32 whatever the storage dtype:
+One program per BLOCK_R rows of D elements (a token's hidden vector, or one head of q/k; one row on
+a GPU), the whole row in registers (BLOCK_D = next_pow2(D); fine up to ~16k). In fp32 whatever the
+storage dtype:
 
   RMSNorm: y = x / sqrt(mean(x^2) + eps) * w         (the GGUF stores w as applied, gemma included)
   RoPE (ggml_rope_ext without YaRN): pair (a, b) of dims rotated by
@@ -21,18 +22,22 @@ import torch
 import triton
 import triton.language as tl
 
+INTERPRETED_TILE = 1 << 14    # elements a program takes under the interpreter (_launch)
+
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, D, H, s_x, s_y, eps, log2_base, freq_scale,
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, R, D, H, s_x, s_y, eps, log2_base, freq_scale,
                       N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
-                      HAS_ROPE: tl.constexpr, HAS_FF: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)                                   # row = t * H + h
-    offs = tl.arange(0, BLOCK_D)
-    ok = offs < D
-    x = tl.load(x_ptr + row * s_x + offs, mask=ok, other=0.0).to(tl.float32)
+                      HAS_ROPE: tl.constexpr, HAS_FF: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)    # (BLOCK_R,) row = t * H + h
+    offs = tl.arange(0, BLOCK_D)                                  # (BLOCK_D,)
+    d_ok = offs < D
+    ok = (rows < R)[:, None] & d_ok[None, :]                      # (BLOCK_R, BLOCK_D)
+    x = tl.load(x_ptr + rows[:, None] * s_x + offs[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
-        x = x * rstd * tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)                                      # (BLOCK_R,)
+        x = x * rstd[:, None] * tl.load(w_ptr + offs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_ROPE:
         HALF: tl.constexpr = N_ROT // 2
         if NEOX:
@@ -44,33 +49,35 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, D, H, s_x, s_y, eps,
             first = offs % 2 == 0
             partner = tl.where(first, offs + 1, offs - 1)
         rot = offs < N_ROT
-        pmask = ok & rot
-        xp = tl.load(x_ptr + row * s_x + partner, mask=pmask, other=0.0).to(tl.float32)
+        pmask = ok & rot[None, :]
+        xp = tl.load(x_ptr + rows[:, None] * s_x + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
         if HAS_NORM:
-            xp = xp * rstd * tl.load(w_ptr + partner, mask=pmask, other=0.0).to(tl.float32)
-        pos = tl.load(pos_ptr + row // H).to(tl.float32)
-        ang = pos * tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_base)
+            xp = xp * rstd[:, None] * tl.load(w_ptr + partner, mask=d_ok & rot, other=0.0).to(tl.float32)[None, :]
+        pos = tl.load(pos_ptr + rows // H, mask=rows < R, other=0).to(tl.float32)             # (BLOCK_R,)
+        ang = pos[:, None] * tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_base)[None, :]
         if HAS_FF:
-            ang = ang / tl.load(ff_ptr + i, mask=pmask, other=1.0)
+            ang = ang / tl.load(ff_ptr + i, mask=d_ok & rot, other=1.0)[None, :]
         ang = ang * freq_scale
         c = tl.cos(ang)
         s = tl.sin(ang)
-        y_rot = tl.where(first, x * c - xp * s, xp * s + x * c)
-        x = tl.where(rot, y_rot, x)
-    tl.store(y_ptr + row * s_y + offs, x.to(y_ptr.dtype.element_ty), mask=ok)
+        y_rot = tl.where(first[None, :], x * c - xp * s, xp * s + x * c)
+        x = tl.where(rot[None, :], y_rot, x)
+    tl.store(y_ptr + rows[:, None] * s_y + offs[None, :], x.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2, factors=None, freq_scale=1.0):
-    D = x2.shape[1]
+    R, D = x2.shape
     BLOCK_D = triton.next_power_of_2(D)
     num_warps = 1 if BLOCK_D <= 256 else (4 if BLOCK_D <= 2048 else 8)
+    # one row per program on a GPU; the interpreter pays per program and per operation, not per
+    # element, so there a program takes up to INTERPRETED_TILE elements' worth of rows
+    BLOCK_R = min(triton.next_power_of_2(R), max(1, INTERPRETED_TILE // BLOCK_D)) if x2.device.type == "cpu" else 1
     dummy = x2
-    _norm_rope_kernel[(x2.shape[0],)](
+    _norm_rope_kernel[(triton.cdiv(R, BLOCK_R),)](
         x2, w if has_norm else dummy, positions if has_rope else dummy, dummy if factors is None else factors, out2,
-        D, H, x2.stride(0), out2.stride(0), float(eps), math.log2(theta) if has_rope else 0.0, float(freq_scale),
+        R, D, H, x2.stride(0), out2.stride(0), float(eps), math.log2(theta) if has_rope else 0.0, float(freq_scale),
         N_ROT=n_rot if has_rope else 2, NEOX=bool(neox), HAS_NORM=has_norm, HAS_ROPE=has_rope,
-        HAS_FF=factors is not None,
-        BLOCK_D=BLOCK_D, num_warps=num_warps,
+        HAS_FF=factors is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=num_warps,
     )
 
 
@@ -84,7 +91,7 @@ def _positions(positions, T, device):
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of x (..., D) with weight w (D,). Grid: one program per row."""
+    """RMSNorm over the last dim of x (..., D) with weight w (D,)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(1) != 1:
@@ -97,7 +104,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
 def rope(x: torch.Tensor, positions, theta: float, neox: bool, n_rot: int | None = None,
          out: torch.Tensor | None = None, freq_factors: torch.Tensor | None = None,
          freq_scale: float = 1.0) -> torch.Tensor:
-    """ggml RoPE of x (T, H, hd) at positions (T,). Grid: T*H rows. out must not alias x (partners are re-read)."""
+    """ggml RoPE of x (T, H, hd) at positions (T,): T*H rows. out must not alias x (partners are re-read)."""
     return norm_rope(x, None, 0.0, positions, theta, neox, n_rot, out, freq_factors, freq_scale)
 
 

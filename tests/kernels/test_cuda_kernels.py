@@ -21,6 +21,7 @@ from kernels.cuda.attention import attention_decode, attention_prefill, choose_s
 from kernels.cpu import dequantize  # noqa: E402
 from kernels.cuda.dequant import dequantize_rows  # noqa: E402
 from kernels.cuda.dequant_gemv import dequant_gemv  # noqa: E402
+from kernels.cuda import norm_rope as norm_rope_module  # noqa: E402
 from kernels.cuda.norm_rope import norm_rope, rms_norm, rope  # noqa: E402
 from kernels.reference import (  # noqa: E402
     attention_ref, dequantize_ref, gather_kv_ref, random_quantized, rms_norm_ref, rope_ref,
@@ -348,9 +349,13 @@ def test_rope_frequency_factors_and_linear_scaling(neox):
     assert not np.allclose(ref, rope_ref(x, pos, 5e5, neox), atol=1e-3)     # the factors matter
 
 
+@pytest.mark.parametrize("tile", [64, 512, None])     # of 20 rows a program takes 1 (as on a GPU), 8 or 32
 @pytest.mark.parametrize("neox", [True, False])
-def test_fused_norm_rope_matches_reference(neox):
-    """Per-head q/k RMSNorm then RoPE (gemma3's q_norm/k_norm), in one pass."""
+def test_fused_norm_rope_matches_reference(neox, tile, monkeypatch):
+    """Per-head q/k RMSNorm then RoPE (gemma3's q_norm/k_norm), in one pass, whatever number of
+    rows a program takes."""
+    if tile and DEVICE == "cpu":
+        monkeypatch.setattr(norm_rope_module, "INTERPRETED_TILE", tile)
     rng = np.random.default_rng(11)
     x = rng.standard_normal((len(ROPE_POS), 4, 64)).astype(np.float32)
     w = rng.standard_normal(64).astype(np.float32)
@@ -411,10 +416,10 @@ for j, q in enumerate(G.SUPPORTED):     # all rows (rows_ptr is w_raw, unused) a
         sig = dict(w_ptr="*u8", rows_ptr=rows_t, out_ptr="*" + out_t, M=i32, K=i32, row_bytes=i32, s_om=i32)
         c = dict(QTYPE=q, HAS_ROWS=rows_t != "*u8", BLOCK_R=16, BLOCK_K=256)
         comp(D._dequant_kernel, {**sig, **{n: "constexpr" for n in c}}, c, dict(enable_fp_fusion=False))
-sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", ff_ptr="*fp32", y_ptr="*bf16", D=i32, H=i32, s_x=i32,
-           s_y=i32, eps="fp32", log2_base="fp32", freq_scale="fp32")
+sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", ff_ptr="*fp32", y_ptr="*bf16", R=i32, D=i32, H=i32,
+           s_x=i32, s_y=i32, eps="fp32", log2_base="fp32", freq_scale="fp32")
 for ff in (False, True):
-    c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, HAS_FF=ff, BLOCK_D=128)
+    c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, HAS_FF=ff, BLOCK_R=1, BLOCK_D=128)   # (a GPU's BLOCK_R)
     comp(N._norm_rope_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 print("ok")
 '''
