@@ -45,7 +45,7 @@ import numpy as np
 
 from core.kv_cache import OutOfBlocks
 from core.paths import cache_dir, data_dir
-from models.errors import BadInputError
+from models.errors import BadInputError, env_choice
 
 if TYPE_CHECKING:
     from core.kv_cache import PagedKVCache, Sequence as KVSequence
@@ -65,12 +65,12 @@ def kv_dir() -> Path:
 
 
 def enabled_by_default() -> bool:
-    """Whether the disk cache is on where no flag says: KVCHAT_KV_DISK=on|off, else the setting
-    (`kvchat cache on|off`), else on."""
-    raw = os.environ.get(ENV_ON, "").strip().lower()
-    if not raw:
+    """Whether the disk cache is on where no flag says: KVCHAT_KV_DISK=on|off, else (unset, or
+    auto) the setting (`kvchat cache on|off`), else on."""
+    choice = env_choice(ENV_ON, ("auto", "on", "off"), "auto")
+    if choice == "auto":
         return bool(_settings().get("kv_disk", True))
-    return raw not in ("off", "0", "no", "false")
+    return choice == "on"
 
 
 def parse_size(text: str) -> int:

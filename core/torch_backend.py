@@ -18,7 +18,7 @@ from core.backend import Capabilities, PagedBackend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from core.tokenizer import Tokenizer
 from models.architectures import load_config
-from models.errors import BadInputError
+from models.errors import BadInputError, env_choice
 from models.gguf_file import GGUFFile
 
 Progress = Callable[[str, int, int], None]
@@ -92,6 +92,9 @@ class TorchBackend(PagedBackend):
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
                  n_blocks: int | None = None):
         check_device(device)
+        # decode steps of up to this many sequences replay CUDA graphs (0: none; on the CPU, or with
+        # KVCHAT_CUDA_GRAPHS=0, to tell a graph problem from another)
+        graphs_on = env_choice("KVCHAT_CUDA_GRAPHS", ("0", "1"), "1") == "1" and device == "cuda"
         gguf.require_supported(cpu=False)
         super().__init__(tokenizer, n_ctx)
         import torch
@@ -107,9 +110,6 @@ class TorchBackend(PagedBackend):
         self.block_size = block_size
         self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()
-        # decode steps of up to this many sequences replay CUDA graphs (0: none; on the CPU, or with
-        # KVCHAT_CUDA_GRAPHS=0, to tell a graph problem from another)
-        graphs_on = device == "cuda" and os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0"
         self.graph_batch_max = GRAPH_BATCHES[-1] if graphs_on else 0
         self._graphs = None
 

@@ -26,7 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.types import SUPPORTED as SUPPORTED_TYPES
 from models.architectures import ARCHITECTURES, LONGROPE_TENSORS, ROPE_SCALING_TYPES
-from models.errors import BadInputError
+from models.errors import BadInputError, env_choice
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -115,9 +115,7 @@ def weights_in_memory(n_bytes: int = 0) -> bool:
     under memory pressure; a copy is the process's own. "auto": memory where the kernel hands out
     transparent huge pages (its setting is `always` or `madvise`) and the weights take at most half
     of the memory available now, mapped elsewhere. KVCHAT_WEIGHTS=memory|mapped forces it."""
-    choice = os.environ.get(WEIGHTS_ENV, "auto").strip().lower() or "auto"
-    if choice not in WEIGHTS_CHOICES:
-        raise BadInputError(f"{WEIGHTS_ENV}={choice!r} is not one of {', '.join(WEIGHTS_CHOICES)}")
+    choice = env_choice(WEIGHTS_ENV, WEIGHTS_CHOICES, "auto")
     if choice != "auto":
         return choice == "memory"
     try:

@@ -26,7 +26,7 @@ import os
 import platform
 import sys
 
-from kernels.errors import BadInputError
+from kernels.errors import BadInputError, env_choice
 
 ISA_ENV = "KVCHAT_ISA"
 CHOICES = ("native", "avx2", "avxvnni", "avx512vnni", "avx512amx")
@@ -55,19 +55,14 @@ def prefetch_target() -> str:
     about a quarter slower than prefetcht1 (each one holds a line-fill buffer until the line reaches
     L1), while AMD Zen reached 80% of its bandwidth with prefetcht0. "auto": l2 on Intel, l1 elsewhere.
     The results are the same bits either way."""
-    choice = os.environ.get(PREFETCH_ENV, "auto").strip().lower() or "auto"
-    if choice not in PREFETCH_CHOICES:
-        raise BadInputError(f"{PREFETCH_ENV}={choice!r} is not one of {', '.join(PREFETCH_CHOICES)}")
+    choice = env_choice(PREFETCH_ENV, PREFETCH_CHOICES, "auto")
     if choice != "auto":
         return choice
     return "l2" if _vendor() == "GenuineIntel" else "l1"
 
 
 def chosen() -> str:
-    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
-    if isa not in CHOICES:
-        raise BadInputError(f"{ISA_ENV}={isa!r} is not one of {', '.join(CHOICES)}")
-    return isa
+    return env_choice(ISA_ENV, CHOICES, "native")
 
 
 def _host_features() -> dict[str, bool]:

@@ -231,25 +231,17 @@ def test_models_list_info_path(qwen_path):
     assert "weights         read into memory (KVCHAT_WEIGHTS)" in memory
 
 
-def test_an_unusable_weights_choice_is_one_line_and_exit_2(qwen_path):
-    out = run_kvchat("run", "-m", str(qwen_path), "hi", env={"KVCHAT_WEIGHTS": "hugepages"})
+@pytest.mark.parametrize("name,value,choices", [
+    ("KVCHAT_WEIGHTS", "hugepages", "auto, memory, mapped"),
+    ("KVCHAT_PREFETCH", "l3", "auto, l1, l2"),
+    ("KVCHAT_ISA", "bogus", "native, avx2, avxvnni, avx512vnni, avx512amx"),
+    ("KVCHAT_KV_DISK", "maybe", "auto, on, off"),
+])
+def test_an_unusable_setting_is_one_line_and_exit_2(qwen_path, name, value, choices):
+    out = run_kvchat("run", "-m", str(qwen_path), "hi", env={name: value})
     err = out.stderr.decode()
     assert out.returncode == 2 and err.strip().splitlines() == [
-        "kvchat: error: KVCHAT_WEIGHTS='hugepages' is not one of auto, memory, mapped"], err
-
-
-def test_an_unusable_prefetch_choice_is_one_line_and_exit_2(qwen_path):
-    out = run_kvchat("run", "-m", str(qwen_path), "hi", env={"KVCHAT_PREFETCH": "l3"})
-    err = out.stderr.decode()
-    assert out.returncode == 2 and err.strip().splitlines() == [
-        "kvchat: error: KVCHAT_PREFETCH='l3' is not one of auto, l1, l2"], err
-
-
-def test_an_unusable_isa_choice_is_one_line_and_exit_2(qwen_path):
-    out = run_kvchat("run", "-m", str(qwen_path), "hi", env={"KVCHAT_ISA": "bogus"})
-    err = out.stderr.decode()
-    assert out.returncode == 2 and "is not one of native, avx2, avxvnni, avx512vnni, avx512amx" in err, err
-    assert len(err.strip().splitlines()) == 1, err
+        f"kvchat: error: {name}={value!r} is not one of {choices}"], err
 
 
 def test_bench_json_rows(qwen_path):

@@ -134,6 +134,13 @@ def test_gemma_greedy_tokens_equal_native(gemma_path):
     assert torch_text.strip() and torch_text == run("--backend", "native")
 
 
+def test_a_bad_cuda_graphs_setting_is_refused_on_any_device(tiny_model, monkeypatch):
+    g, tok = tiny_model("qwen2", "Q8_0")
+    monkeypatch.setenv("KVCHAT_CUDA_GRAPHS", "off")
+    with pytest.raises(BadInputError, match="^KVCHAT_CUDA_GRAPHS='off' is not one of 0, 1$"):
+        TorchBackend(g, tok, 64, "cpu")
+
+
 def test_models_info_names_the_types_dequantized_at_load(tiny_model):
     """A type without a Triton GEMV kernel is dequantized at load, and `models info` says so."""
     g, tok = tiny_model("llama", "Q4_0")
