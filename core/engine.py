@@ -151,7 +151,11 @@ class Engine:
         """progress: the model pull; backend_progress: loading weights and preparing kernels (the
         TUI's bar; without it the native backend reports on stderr when that is a terminal);
         device: auto, cpu or cuda (pick_backend); kv_disk: keep full KV blocks on disk across runs
-        (core.kv_disk; None: on unless KVCHAT_KV_DISK=off), in at most kv_disk_max bytes."""
+        (core.kv_disk; None: KVCHAT_KV_DISK=on|off, else the `kvchat cache on|off` setting, else
+        on), in at most kv_disk_max bytes."""
+        from core.kv_disk import enabled_by_default
+        if kv_disk is None:
+            kv_disk = enabled_by_default()       # before the load: a bad KVCHAT_KV_DISK costs no wait
         if n_ctx < 16:
             raise BadInputError("--ctx must be at least 16")
         if threads is not None and not 1 <= threads <= (os.cpu_count() or 1) * 4:
@@ -181,8 +185,7 @@ class Engine:
         if lacks is not None:
             self._note(f"kvchat's engine does not run {lacks} yet; using llama.cpp")
         self.backend_name = self.backend.name
-        from core.kv_disk import enabled_by_default
-        self.kv_disk = (enabled_by_default() if kv_disk is None else kv_disk) and self.backend.capabilities.kv_disk
+        self.kv_disk = kv_disk and self.backend.capabilities.kv_disk
         if self.kv_disk:
             self.backend.attach_disk(self.path, kv_disk_max, self._note)
         self._draft: tuple[str, Backend] | None = None   # (draft model name, its native backend)

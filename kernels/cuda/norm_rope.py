@@ -67,6 +67,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, R, D, H, s_x, s_y, e
 
 def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2, factors=None, freq_scale=1.0):
     R, D = x2.shape
+    if R == 0:
+        return
     BLOCK_D = triton.next_power_of_2(D)
     num_warps = 1 if BLOCK_D <= 256 else (4 if BLOCK_D <= 2048 else 8)
     # one row per program on a GPU; the interpreter pays per program and per operation, not per
