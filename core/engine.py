@@ -153,8 +153,8 @@ class Engine:
         device: auto, cpu or cuda (pick_backend); kv_disk: keep full KV blocks on disk across runs
         (core.kv_disk; None: KVCHAT_KV_DISK=on|off, else the `kvchat cache on|off` setting, else
         on), in at most kv_disk_max bytes."""
-        from core.kv_disk import enabled_by_default
         if kv_disk is None:
+            from core.kv_disk import enabled_by_default
             kv_disk = enabled_by_default()       # before the load: a bad KVCHAT_KV_DISK costs no wait
         if n_ctx < 16:
             raise BadInputError("--ctx must be at least 16")

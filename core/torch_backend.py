@@ -92,8 +92,7 @@ class TorchBackend(PagedBackend):
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
                  n_blocks: int | None = None):
         check_device(device)
-        # decode steps of up to this many sequences replay CUDA graphs (0: none; on the CPU, or with
-        # KVCHAT_CUDA_GRAPHS=0, to tell a graph problem from another)
+        # read before the load: a bad KVCHAT_CUDA_GRAPHS costs no wait
         graphs_on = env_choice("KVCHAT_CUDA_GRAPHS", ("0", "1"), "1") == "1" and device == "cuda"
         gguf.require_supported(cpu=False)
         super().__init__(tokenizer, n_ctx)
@@ -110,6 +109,8 @@ class TorchBackend(PagedBackend):
         self.block_size = block_size
         self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()
+        # decode steps of up to this many sequences replay CUDA graphs (0: none; on the CPU, or with
+        # KVCHAT_CUDA_GRAPHS=0, to tell a graph problem from another)
         self.graph_batch_max = GRAPH_BATCHES[-1] if graphs_on else 0
         self._graphs = None
 

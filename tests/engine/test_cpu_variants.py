@@ -11,8 +11,9 @@ The rest of the suite runs with the choices this CPU makes by itself. What a CPU
 
 Each variant below reruns, in a fresh process, the tests that compare with llama.cpp bit for bit
 (and within stated tolerances) through the whole model, plus the kernels' libm and op tests, which
-also check that the forced choice really took effect, and each kernel variant the exact matmuls. A variant this machine cannot execute
-(AVX-512 on a Zen 3) is not listed; the variants it can execute always run.
+also check that the forced choice really took effect, and each kernel variant the exact matmuls.
+A variant this machine cannot execute (AVX-512 on a Zen 3) is not listed; the variants it can
+execute always run.
 """
 from __future__ import annotations
 
