@@ -1,7 +1,7 @@
-"""dequant_gemv's tile shapes on the 1.5B registry model's decode shapes, on a GPU: the time of
-each (BLOCK_R, BLOCK_K, num_warps), the engine's own choice first, and every tile's products
-checked against it. The weights are random bytes with sane f16 scales: the kernel's speed does not
-depend on the values. Prints the five fastest per shape and the sum over the shapes.
+"""dequant_gemv's kernels and tile shapes on the 1.5B registry model's decode shapes, on a GPU: the
+time of each (BLOCK_R, BLOCK_K, num_warps, per_column), the engine's own choice first, and every
+tile's products checked against it. The weights are random bytes with sane f16 scales: the
+kernel's speed does not depend on the values. Prints every tile per shape, fastest first, and the sum over the shapes.
 
     python3 -m tests.gpu_gemv_sweep          (tests/gpu_check.sh runs it)
 """
@@ -11,20 +11,24 @@ import torch
 import triton
 
 from kernels.cuda.dequant_gemv import QK, dequant_gemv
-from kernels.types import Q4_K, Q6_K
+from kernels.types import Q4_K, Q6_K, Q8_0
 
-# (type, N, K): q/o, k, gate/up (Q4_K); down, v, output (Q6_K) of qwen2.5-coder-1.5b-instruct
-SHAPES = [(Q4_K, 1536, 1536), (Q4_K, 256, 1536), (Q4_K, 8960, 1536), (Q6_K, 1536, 8960), (Q6_K, 256, 1536),
-          (Q6_K, 151936, 1536)]
-TILES = [(0, 0, 0), (16, 256, 4), (8, 256, 4), (4, 256, 4), (4, 512, 4), (2, 256, 2), (1, 512, 2), (1, 256, 1),
-         (2, 256, 1), (1, 1024, 4), (32, 128, 4)]        # (0, 0, 0): dequant_gemv's default
+# (type, N, K): q/o, k, gate/up (Q4_K); down, v, output (Q6_K) of qwen2.5-coder-1.5b-instruct;
+# Q8_0 at q/o's shape
+SHAPES = [(Q8_0, 1536, 1536), (Q4_K, 1536, 1536), (Q4_K, 256, 1536), (Q4_K, 8960, 1536), (Q6_K, 1536, 8960),
+          (Q6_K, 256, 1536), (Q6_K, 151936, 1536)]
+# (0, 0, 0, False): dequant_gemv's default; per_column=True: the per-column kernel (its tile before the
+# block-wise kernel: 1 x 256 on 1 warp, 1 x 512 on 2 for <= 512 rows)
+TILES = [(0, 0, 0, False), (1, 256, 1, False), (1, 256, 2, False), (1, 512, 1, False), (1, 512, 2, False),
+         (1, 1024, 4, False), (2, 256, 2, False), (2, 512, 4, False), (4, 256, 4, False), (4, 512, 4, False),
+         (8, 256, 4, False), (1, 256, 1, True), (1, 512, 2, True)]
 
 
 def random_blocks(t: int, n: int, k: int) -> torch.Tensor:
     """(n, row bytes) random blocks whose f16 scales are all 2^-10 (bytes 00 14), not inf or NaN."""
     per, nb = QK[t]
     w = torch.randint(0, 256, (n, k // per, nb), dtype=torch.uint8, device="cuda")
-    for at in ((208,) if t == Q6_K else (0, 2)):                # Q6_K's d; Q4_K's d and dmin
+    for at in {Q6_K: (208,), Q4_K: (0, 2), Q8_0: (0,)}[t]:      # the f16 scales: d (and Q4_K's dmin)
         w[:, :, at], w[:, :, at + 1] = 0x00, 0x14
     return w.view(n, -1)
 
@@ -44,7 +48,7 @@ def main() -> None:
             total[tile] += s
             rows.append((s, tile, err))
         print(f"type {t} N {n} K {k} ({w.numel() / 1e6:.1f} MB): default {rows[0][0] * 1e6:.1f} us")
-        for s, tile, err in sorted(rows)[:5]:
+        for s, tile, err in sorted(rows):
             print(f"   {tile}: {s * 1e6:8.1f} us {w.numel() / s / 1e9:6.0f} GB/s  error {err:.1e}")
         assert all(err < 1e-4 for _, _, err in rows), rows
     print("sum over the shapes, fastest first:")

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 from kernels.cuda.attention import attention_decode, attention_prefill, choose_splits  # noqa: E402
 from kernels.cpu import dequantize  # noqa: E402
 from kernels.cuda.dequant import dequantize_rows  # noqa: E402
-from kernels.cuda.dequant_gemv import dequant_gemv  # noqa: E402
+from kernels.cuda.dequant_gemv import QK, dequant_gemv  # noqa: E402
 from kernels.cuda import norm_rope as norm_rope_module  # noqa: E402
 from kernels.cuda.norm_rope import norm_rope, rms_norm, rope  # noqa: E402
 from kernels.reference import (  # noqa: E402
@@ -172,21 +172,47 @@ GEMV_CASES = [
     (12, 5, 256, 2, torch.float16),
     (14, 13, 512, 1, torch.float32),     # Q6_K
     (14, 17, 256, 3, torch.float32),
+    (8, 5, 800, 1, torch.float32),       # Q8_0: 25 blocks, not a whole number of block-wise steps
+    (12, 7, 768, 2, torch.float32),      # Q4_K: three super-blocks
+    (14, 6, 1280, 1, torch.float16),     # Q6_K: five, so odd blocks start 2 bytes past a 4-byte boundary
 ]
+# (BLOCK_R, quant blocks a step, num_warps, per_column), 0 for the launcher's choice: its choice for the
+# device, a GPU's block-wise tile (one row, two blocks a step), several rows and blocks a step, and the
+# per-column kernel (the only one Q5_0 has)
+GEMV_TILES = {"default": (0, 0, 0, False), "gpu-tile": (1, 2, 2, False), "4x4-blocks": (4, 4, 4, False),
+              "per-column": (0, 0, 0, True)}
 
 
+@pytest.mark.parametrize("tile", GEMV_TILES.values(), ids=GEMV_TILES.keys())
 @pytest.mark.parametrize("ggml_type,n_rows,n_cols,M,xdtype", GEMV_CASES)
-def test_dequant_gemv_matches_reference(ggml_type, n_rows, n_cols, M, xdtype):
+def test_dequant_gemv_matches_reference(ggml_type, n_rows, n_cols, M, xdtype, tile):
+    """Both kernels, at several tiles, against float64 products of gguf-py's dequantized weights
+    (fp32 sums in a different order: 2e-6 of the largest product absolute, 1e-5 relative)."""
     rng = np.random.default_rng(ggml_type * 100 + n_rows + M)
     raw = random_quantized(ggml_type, n_rows, n_cols, rng)
     x = torch.from_numpy(rng.standard_normal((M, n_cols)).astype(np.float32)).to(xdtype)
     w = torch.from_numpy(raw).to(DEVICE)
-    y = dequant_gemv(w, ggml_type, n_cols, x.to(DEVICE) if M > 1 else x[0].to(DEVICE))
+    block_r, blocks, warps, per_column = tile
+    block_k = blocks * QK[ggml_type][0]
+    y = dequant_gemv(w, ggml_type, n_cols, x.to(DEVICE) if M > 1 else x[0].to(DEVICE), block_r, block_k, warps,
+                     per_column)
     ref = x.double().numpy() @ dequantize_ref(raw, ggml_type, n_cols).astype(np.float64).T  # (M, N)
     ref = torch.from_numpy(ref.astype(np.float32))
     assert y.dtype == torch.float32
     scale = float(ref.abs().max())
     torch.testing.assert_close(y.cpu().reshape(M, n_rows), ref, atol=2e-6 * scale, rtol=1e-5)
+
+
+def test_dequant_gemv_reads_rows_at_any_address():
+    """A Q4_K matrix whose bytes start 2 past a 4-byte boundary (a view into a larger buffer): the
+    32-bit word loads must not see it misaligned, and the products are those of an aligned copy."""
+    rng = np.random.default_rng(7)
+    raw = torch.from_numpy(random_quantized(12, 3, 512, rng)).to(DEVICE)
+    shifted = torch.empty(raw.numel() + 2, dtype=torch.uint8, device=DEVICE)[2:].view(raw.shape)
+    shifted.copy_(raw)
+    x = torch.randn(512, device=DEVICE)
+    assert shifted.data_ptr() % 4 == 2
+    assert torch.equal(dequant_gemv(shifted, 12, 512, x), dequant_gemv(raw, 12, 512, x))
 
 
 def test_dequant_gemv_rejects_bad_input():
@@ -409,8 +435,13 @@ comp(A._decode_merge_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 for q in G.SUPPORTED:
     for xdt in ("fp16", "fp32"):        # the torch engine passes fp32 activations
         sig = dict(w_ptr="*u8", x_ptr="*" + xdt, y_ptr="*fp32", N=i32, K=i32, row_bytes=i32, s_xm=i32, s_ym=i32)
-        c = dict(QTYPE=q, BLOCK_R=1, BLOCK_K=256)     # dequant_gemv's tile on a GPU
+        c = dict(QTYPE=q, BLOCK_R=1, BLOCK_K=256)     # the per-column kernel's tile on a GPU
         comp(G._gemv_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
+for q in G.BLOCKWISE:                   # the block-wise kernel: a GPU's tile, and several rows a step
+    for xdt, rows in (("fp32", 1), ("fp16", 4)):
+        sig = dict(w_ptr="*u8", x_ptr="*" + xdt, y_ptr="*fp32", N=i32, NB=i32, row_bytes=i32, s_xm=i32, s_ym=i32)
+        c = dict(QTYPE=q, PER=G.QK[q][0], BYTES=G.QK[q][1], BLOCK_R=rows, BLOCK_B=2)
+        comp(G._gemv_blocks_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 for j, q in enumerate(G.SUPPORTED):     # all rows (rows_ptr is w_raw, unused) and gathers; fp16 out, and fp32/bf16
     for rows_t, out_t in (("*u8", "fp16"), ("*i64", "fp16"), ("*i32", ("fp32", "bf16")[j % 2])):
         sig = dict(w_ptr="*u8", rows_ptr=rows_t, out_ptr="*" + out_t, M=i32, K=i32, row_bytes=i32, s_om=i32)
