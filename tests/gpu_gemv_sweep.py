@@ -17,8 +17,8 @@ from kernels.types import Q4_K, Q6_K, Q8_0
 # Q8_0 at q/o's shape
 SHAPES = [(Q8_0, 1536, 1536), (Q4_K, 1536, 1536), (Q4_K, 256, 1536), (Q4_K, 8960, 1536), (Q6_K, 1536, 8960),
           (Q6_K, 256, 1536), (Q6_K, 151936, 1536)]
-# (0, 0, 0, False): dequant_gemv's default; per_column=True: the per-column kernel (its tile before the
-# block-wise kernel: 1 x 256 on 1 warp, 1 x 512 on 2 for <= 512 rows)
+# (0, 0, 0, False): dequant_gemv's default; per_column=True: the per-column kernel for the K-quants
+# too (Q8_0 always takes it, so its rows are all per column)
 TILES = [(0, 0, 0, False), (1, 256, 1, False), (1, 256, 2, False), (1, 512, 1, False), (1, 512, 2, False),
          (1, 1024, 4, False), (2, 256, 2, False), (2, 512, 4, False), (4, 256, 4, False), (4, 512, 4, False),
          (8, 256, 4, False), (1, 256, 1, True), (1, 512, 2, True)]

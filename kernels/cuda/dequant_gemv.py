@@ -4,11 +4,18 @@ W is the tensor's bytes exactly as in the GGUF file, a uint8 tensor (n_rows, row
 device; x (K,) or (M, K) small M; y fp32. Decode at batch 1 is memory-bound, so reading
 4.5-8.5 bits per weight instead of 16 is the point.
 
-One program per BLOCK_R rows (grid (ceil(N / BLOCK_R), M)); it walks the row in BLOCK_K-column
-tiles. For each column of a tile the kernel computes the byte offsets of its quant block and
-fields, loads them as uint8 (neighbouring columns share bytes, so the loads coalesce and the
-repeats hit L1), rebuilds the value in fp32 and accumulates w * x. Layouts follow ggml-quants.c
-(dequantize_row_*), which gguf.quants.dequantize mirrors:
+Two kernels, each one program per BLOCK_R rows (grid (ceil(N / BLOCK_R), M)) walking the rows in
+BLOCK_K-column steps:
+  * _gemv_kernel, per column (every type): each column computes the byte offsets of its quant
+    block and fields, loads them as uint8 (neighbouring columns share bytes, so the loads coalesce
+    and the repeats hit L1), rebuilds its weight in fp32 and accumulates w * x. dequant.py
+    shares its tile function.
+  * _gemv_blocks_kernel, per block (the K-quants): a step is whole quant blocks; the quants are
+    loaded as 32- or 16-bit words (Q6_K's 210-byte blocks are only 2-byte aligned), and each
+    sub-block's sum of products takes its scale (and min) once, as llama.cpp's CUDA GEMV does.
+    A GPU runs the per-column kernel on the instructions that rebuild each weight, not on memory:
+    per block, that work is done once per word and once per sub-block.
+Layouts follow ggml-quants.c (dequantize_row_*), which gguf.quants.dequantize mirrors:
 
   Q8_0 (32 per block, 34 B): f16 d | 32 x int8 q             -> d * q
   Q5_0 (32, 22 B):  f16 d | u32 qh | 16 B nibbles             -> d * ((nib | hbit << 4) - 16)
@@ -30,8 +37,8 @@ QK = {t: (TRAITS[t].block, TRAITS[t].size) for t in GEMV_TYPES}   # (elements, b
 # the same ids as compile-time constants inside the kernels (Triton reads only constexpr globals)
 _Q8_0, _Q5_0, _Q4_K, _Q6_K = tl.constexpr(Q8_0), tl.constexpr(Q5_0), tl.constexpr(Q4_K), tl.constexpr(Q6_K)
 SUPPORTED = tuple(QK)
-BLOCKWISE = (Q8_0, Q4_K, Q6_K)    # the types _gemv_blocks_kernel reads; Q5_0 takes the per-column kernel
-GEMV_FEW_ROWS = 512    # a matrix of at most this many rows is read in wider tiles (dequant_gemv)
+BLOCKWISE = (Q4_K, Q6_K)    # the types _gemv_blocks_kernel reads; Q8_0 and Q5_0 take the per-column kernel
+GEMV_FEW_ROWS = 512    # the per-column kernel reads a matrix of at most this many rows in wider tiles
 
 
 @triton.jit
@@ -112,7 +119,7 @@ def _gemv_kernel(w_ptr, x_ptr, y_ptr, N, K, row_bytes, s_xm, s_ym,
 
 @triton.jit
 def _words(ptr, mask, WORD: tl.constexpr):
-    """Little-endian words of WORD bits (32 or 16) at byte addresses ptr, as int32 (zero-extended)."""
+    """Little-endian words of WORD bits (32 or 16) at byte addresses ptr, as int32 (16-bit ones zero-extended)."""
     if WORD == 32:
         return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
     else:
@@ -196,19 +203,6 @@ def _q6_k_dots(blk, xb, ok, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _q8_0_dots(blk, xb, ok, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
-    """sum over a Q8_0 block (f16 d, then 32 int8) of w * x, per (row, block): 34-byte blocks, read as
-    16 16-bit words."""
-    p = tl.arange(0, 16)
-    s = tl.arange(0, 2)
-    hw = _words(blk[:, :, None] + 2 + 2 * p[None, None, :], ok[:, :, None], 16)        # (R, B, 16)
-    q = ((hw[:, :, :, None] >> (8 * s)[None, None, None, :]) << 24) >> 24             # (R, B, 16, 2) signed
-    x = tl.load(xb[:, None, None] + (2 * p)[None, :, None] + s[None, None, :]).to(tl.float32)   # (B, 16, 2)
-    dot = tl.sum(tl.sum(q.to(tl.float32) * x[None], 3), 2)                             # (R, B)
-    return _f16_at(blk, ok) * dot
-
-
-@triton.jit
 def _gemv_blocks_kernel(w_ptr, x_ptr, y_ptr, N, NB, row_bytes, s_xm, s_ym, QTYPE: tl.constexpr,
                         PER: tl.constexpr, BYTES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     """y[m, rows] = W[rows] @ x[m]: BLOCK_R rows per program, BLOCK_B whole quant blocks per step."""
@@ -225,10 +219,8 @@ def _gemv_blocks_kernel(w_ptr, x_ptr, y_ptr, N, NB, row_bytes, s_xm, s_ym, QTYPE
         xb = x_ptr + m * s_xm + tl.minimum(b, NB - 1) * PER                     # (B,) in bounds; masked blocks read 0
         if QTYPE == _Q4_K:
             part = _q4_k_dots(blk, xb, ok, BLOCK_R, BLOCK_B)
-        elif QTYPE == _Q6_K:
-            part = _q6_k_dots(blk, xb, ok, BLOCK_R, BLOCK_B)
         else:
-            part = _q8_0_dots(blk, xb, ok, BLOCK_R, BLOCK_B)
+            part = _q6_k_dots(blk, xb, ok, BLOCK_R, BLOCK_B)
         acc += tl.where(ok, part, 0.0)
     tl.store(y_ptr + m * s_ym + rows, tl.sum(acc, 1), mask=r_ok)
 
@@ -250,17 +242,13 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
                  block_r: int = 0, block_k: int = 0, num_warps: int = 0, per_column: bool = False) -> torch.Tensor:
     """y = W @ x in fp32. w_raw uint8 (N, row_bytes) GGUF blocks; x (K,) or (M, K) -> (N,) or (M, N).
 
-    Two kernels, each taking BLOCK_R rows x BLOCK_K columns a step:
-      * _gemv_blocks_kernel (Q8_0, Q4_K, Q6_K; BLOCK_K whole quant blocks): loads the quants as 16-
-        or 32-bit words and applies each sub-block's scale once to a sum of products, as llama.cpp's
-        CUDA GEMV does. A GPU runs this kernel on the instructions that rebuild each weight, not on
-        memory, so doing that work once per word and once per sub-block is what counts.
-      * _gemv_kernel (every type, or per_column=True): each column finds its block and fields and
-        rebuilds its weight alone (the tile dequant.py shares).
-    The GPU's tiles come from a sweep of tile shapes on an H200 over the 1.5B registry model's decode
-    shapes (README, "The GPU engine"; tests/gpu_gemv_sweep.py reruns it). The interpreter, which pays
-    per operation and not per element, takes few programs with big tiles. Any tile gives the same
-    products up to the order of the fp32 sums.
+    Q4_K and Q6_K take the per-block kernel (BLOCK_K a power-of-two number of whole blocks), Q8_0
+    and Q5_0 (or per_column=True) the per-column one. The GPU's tiles come from sweeps of tile
+    shapes on an H200 over the 1.5B registry model's decode shapes (README, "The GPU engine";
+    tests/gpu_gemv_sweep.py reruns it): one row per program, on one warp, two K-quant blocks a step;
+    Q8_0 per column 512 columns a step on two warps. The interpreter, which pays per operation and
+    not per element, takes few programs with big tiles. Any tile gives the same products up to the
+    order of the fp32 sums.
     """
     check_blocks("dequant_gemv", w_raw, ggml_type, n_cols)
     w_raw = w_raw.contiguous()
@@ -279,7 +267,7 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
             block_r, block_k, num_warps = (block_r or min(64, triton.next_power_of_2(N)),
                                            block_k or min(2048, triton.next_power_of_2(n_cols)), num_warps or 4)
         else:
-            block_r, block_k, num_warps = block_r or 1, block_k or 2 * per, num_warps or 2
+            block_r, block_k, num_warps = block_r or 1, block_k or 2 * per, num_warps or 1
         if block_k % per or (block_k // per) & (block_k // per - 1):
             raise ValueError(f"block_k {block_k} must be a power-of-two number of {per}-column blocks")
         _gemv_blocks_kernel[(triton.cdiv(N, block_r), M)](
@@ -290,8 +278,8 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     if interp:
         block_r, block_k, num_warps = block_r or min(1024, triton.next_power_of_2(N)), block_k or 256, num_warps or 4
     else:
-        few = N <= GEMV_FEW_ROWS
-        block_r, block_k, num_warps = block_r or 1, block_k or (512 if few else 256), num_warps or (2 if few else 1)
+        wide = N <= GEMV_FEW_ROWS or ggml_type == Q8_0
+        block_r, block_k, num_warps = block_r or 1, block_k or (512 if wide else 256), num_warps or (2 if wide else 1)
     _gemv_kernel[(triton.cdiv(N, block_r), M)](
         w_raw, x2, y, N, n_cols, w_raw.shape[1], x2.stride(0), y.stride(0),
         QTYPE=ggml_type, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,

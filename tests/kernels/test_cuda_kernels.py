@@ -172,13 +172,13 @@ GEMV_CASES = [
     (12, 5, 256, 2, torch.float16),
     (14, 13, 512, 1, torch.float32),     # Q6_K
     (14, 17, 256, 3, torch.float32),
-    (8, 5, 800, 1, torch.float32),       # Q8_0: 25 blocks, not a whole number of block-wise steps
-    (12, 7, 768, 2, torch.float32),      # Q4_K: three super-blocks
+    (8, 5, 800, 1, torch.float32),       # Q8_0: 25 blocks, not a whole number of steps
+    (12, 7, 768, 2, torch.float32),      # Q4_K: three super-blocks, not a whole number of block-wise steps
     (14, 6, 1280, 1, torch.float16),     # Q6_K: five, so odd blocks start 2 bytes past a 4-byte boundary
 ]
 # (BLOCK_R, quant blocks a step, num_warps, per_column), 0 for the launcher's choice: its choice for the
-# device, a GPU's block-wise tile (one row, two blocks a step), several rows and blocks a step, and the
-# per-column kernel (the only one Q5_0 has)
+# device, a GPU's K-quant tile (one row, two blocks a step), several rows and blocks a step, and the
+# per-column kernel for the K-quants too (Q8_0 and Q5_0 take it always)
 GEMV_TILES = {"default": (0, 0, 0, False), "gpu-tile": (1, 2, 2, False), "4x4-blocks": (4, 4, 4, False),
               "per-column": (0, 0, 0, True)}
 
