@@ -1,7 +1,8 @@
 """dequant_gemv's kernels and tile shapes on the 1.5B registry model's decode shapes, on a GPU: the
 time of each (BLOCK_R, BLOCK_K, num_warps, per_column), the engine's own choice first, and every
 tile's products checked against it. The weights are random bytes with sane f16 scales: the
-kernel's speed does not depend on the values. Prints every tile per shape, fastest first, and the sum over the shapes.
+kernel's speed does not depend on the values. Prints every tile per shape, fastest first, and the
+sum over the shapes (the tiles' first shape is timed first, so its small times run high).
 
     python3 -m tests.gpu_gemv_sweep          (tests/gpu_check.sh runs it)
 """
