@@ -2,7 +2,8 @@
 time of each (BLOCK_R, BLOCK_K, num_warps, per_column), the engine's own choice first, and every
 tile's products checked against it. The weights are random bytes with sane f16 scales: the
 kernel's speed does not depend on the values. Prints every tile per shape, fastest first, and the
-sum over the shapes (the tiles' first shape is timed first, so its small times run high).
+sum over the shapes. Each shape's first tile (the default) is timed first, and on the small shapes
+its time can run high.
 
     python3 -m tests.gpu_gemv_sweep          (tests/gpu_check.sh runs it)
 """
