@@ -49,7 +49,7 @@ def _chains(typingctx, n):
     return types.int64(n), codegen
 
 
-@njit(parallel=True, cache=False)
+@njit(parallel=True)
 def _run(n, threads):
     s = 0
     for _ in prange(threads):

@@ -261,7 +261,10 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     interp = x.device.type == "cpu"
     per, nbytes = QK[ggml_type]
     if ggml_type in BLOCKWISE and not per_column:
-        if w_raw.data_ptr() % 4:    # word loads: Q4_K's 144-byte blocks stay 4-aligned from an aligned start
+        # the word loads' alignment (Q4_K: 32-bit, Q6_K: 16-bit). Whole rows keep it from an aligned
+        # start (Q4_K rows are 144-byte multiples), so the engine's matrices and their row ranges
+        # never take this copy
+        if w_raw.data_ptr() % (4 if ggml_type == Q4_K else 2):
             w_raw = w_raw.clone()
         if interp:
             block_r, block_k, num_warps = (block_r or min(64, triton.next_power_of_2(N)),
@@ -274,14 +277,16 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
             w_raw, x2, y, N, n_cols // per, w_raw.shape[1], x2.stride(0), y.stride(0), QTYPE=ggml_type, PER=per,
             BYTES=nbytes, BLOCK_R=block_r, BLOCK_B=block_k // per, num_warps=num_warps,
         )
-        return y[0] if squeeze else y
-    if interp:
-        block_r, block_k, num_warps = block_r or min(1024, triton.next_power_of_2(N)), block_k or 256, num_warps or 4
     else:
-        wide = N <= GEMV_FEW_ROWS or ggml_type == Q8_0
-        block_r, block_k, num_warps = block_r or 1, block_k or (512 if wide else 256), num_warps or (2 if wide else 1)
-    _gemv_kernel[(triton.cdiv(N, block_r), M)](
-        w_raw, x2, y, N, n_cols, w_raw.shape[1], x2.stride(0), y.stride(0),
-        QTYPE=ggml_type, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
-    )
+        if interp:
+            block_r, block_k, num_warps = (block_r or min(1024, triton.next_power_of_2(N)), block_k or 256,
+                                           num_warps or 4)
+        else:
+            wide = N <= GEMV_FEW_ROWS or ggml_type == Q8_0
+            block_r, block_k, num_warps = (block_r or 1, block_k or (512 if wide else 256),
+                                           num_warps or (2 if wide else 1))
+        _gemv_kernel[(triton.cdiv(N, block_r), M)](
+            w_raw, x2, y, N, n_cols, w_raw.shape[1], x2.stride(0), y.stride(0),
+            QTYPE=ggml_type, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+        )
     return y[0] if squeeze else y

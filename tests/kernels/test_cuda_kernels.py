@@ -203,16 +203,18 @@ def test_dequant_gemv_matches_reference(ggml_type, n_rows, n_cols, M, xdtype, ti
     torch.testing.assert_close(y.cpu().reshape(M, n_rows), ref, atol=2e-6 * scale, rtol=1e-5)
 
 
-def test_dequant_gemv_reads_rows_at_any_address():
-    """A Q4_K matrix whose bytes start 2 past a 4-byte boundary (a view into a larger buffer): the
-    32-bit word loads must not see it misaligned, and the products are those of an aligned copy."""
+@pytest.mark.parametrize("ggml_type", [12, 14])
+def test_dequant_gemv_reads_rows_at_any_address(ggml_type):
+    """A Q4_K or Q6_K matrix whose bytes start 2 past a 4-byte boundary (a view into a larger
+    buffer): Q4_K's 32-bit word loads must not see it misaligned (it is copied), Q6_K's 16-bit
+    ones read it in place, and the products are those of an aligned copy."""
     rng = np.random.default_rng(7)
-    raw = torch.from_numpy(random_quantized(12, 3, 512, rng)).to(DEVICE)
+    raw = torch.from_numpy(random_quantized(ggml_type, 3, 512, rng)).to(DEVICE)
     shifted = torch.empty(raw.numel() + 2, dtype=torch.uint8, device=DEVICE)[2:].view(raw.shape)
     shifted.copy_(raw)
     x = torch.randn(512, device=DEVICE)
     assert shifted.data_ptr() % 4 == 2
-    assert torch.equal(dequant_gemv(shifted, 12, 512, x), dequant_gemv(raw, 12, 512, x))
+    assert torch.equal(dequant_gemv(shifted, ggml_type, 512, x), dequant_gemv(raw, ggml_type, 512, x))
 
 
 def test_dequant_gemv_rejects_bad_input():
