@@ -400,9 +400,9 @@ def cmd_models(args) -> int:
             print("engine          " + (f"llama.cpp (kvchat's engine does not run {lacks} yet)" if lacks
                                         else "kvchat's own (native on the CPU, torch on a GPU)"))
             if not lacks:
-                from kernels.cpu.isa import ISA_ENV, PREFETCH_ENV, chosen, prefetch_target, variant
+                from kernels.cpu.isa import BF16_ENV, ISA_ENV, PREFETCH_ENV, bf16_dot, chosen, prefetch_target, variant
                 print(f"CPU kernels     {variant()} ({ISA_ENV}={chosen()}; every variant computes the same bits), "
-                      f"prefetch into {prefetch_target()} ({PREFETCH_ENV})")
+                      f"prefetch into {prefetch_target()} ({PREFETCH_ENV}), BF16 products on {bf16_dot()} ({BF16_ENV})")
                 from models.gguf_file import WEIGHTS_ENV, weights_in_memory
                 print("weights         " + ("read into memory" if weights_in_memory(info["file_size"]) else "mapped from their files")
                       + f" ({WEIGHTS_ENV})")

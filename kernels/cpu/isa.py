@@ -17,8 +17,9 @@ so that tests can run every variant a machine can execute and a comparison can p
 
 tests/engine/test_cpu_variants.py runs the exactness suites under every variant this CPU executes.
 
-`KVCHAT_PREFETCH=l1|l2` forces the other CPU-dependent choice made here, where decode's software
-prefetches put the weights (prefetch_target).
+`KVCHAT_PREFETCH=l1|l2` forces another CPU-dependent choice made here, where decode's software
+prefetches put the weights (prefetch_target), and `KVCHAT_BF16=vdpbf16ps|fma` the third, how BF16
+weights' prompt tiles multiply (bf16_dot).
 """
 from __future__ import annotations
 
@@ -59,6 +60,23 @@ def prefetch_target() -> str:
     if choice != "auto":
         return choice
     return "l2" if _vendor() == "GenuineIntel" else "l1"
+
+
+BF16_ENV = "KVCHAT_BF16"
+BF16_CHOICES = ("auto", "vdpbf16ps", "fma")
+
+
+def bf16_dot(host: dict[str, bool] | None = None) -> str:
+    """How BF16 weights' prompt tiles multiply: "vdpbf16ps" (AVX512_BF16: two bf16 products a lane,
+    Zen 4/5, Cooper Lake, Sapphire Rapids) or "fma" (one fp32 fma a product, as llama.cpp's AVX2
+    build). Both give the same bits (kernels/cpu/qdot/dense.py says why and when), so "auto" takes
+    vdpbf16ps wherever the variant is an AVX-512 one and the CPU has it."""
+    choice = env_choice(BF16_ENV, BF16_CHOICES, "auto")
+    host = _host_features() if host is None else host
+    can = variant() in ("avx512vnni", "avx512amx") and bool(host.get("avx512bf16"))
+    if choice == "vdpbf16ps" and not can:
+        raise BadInputError(f"{BF16_ENV}=vdpbf16ps: the kernels' variant {variant()} on this CPU has no AVX512_BF16")
+    return choice if choice != "auto" else ("vdpbf16ps" if can else "fma")
 
 
 def chosen() -> str:
@@ -135,7 +153,8 @@ def apply() -> str:
     configuration is read again (nothing is compiled before the kernels' modules load)."""
     isa = chosen()
     check(isa)
-    prefetch_target()                    # a bad KVCHAT_PREFETCH is refused before anything compiles
+    prefetch_target()                    # a bad KVCHAT_PREFETCH or KVCHAT_BF16 is refused before anything compiles
+    bf16_dot()
     if isa in ("avx2", "avxvnni") and "NUMBA_CPU_FEATURES" not in os.environ:
         from llvmlite import binding as llvm
         os.environ["NUMBA_CPU_NAME"] = "x86-64-v3"
@@ -152,13 +171,13 @@ def apply() -> str:
 
 def _cache_folder_of_the_choice() -> None:
     """numba's cache index tells compiled code apart by the CPU's name and features, not by what is
-    compiled in from here (the tile kernels or not, the prefetch instruction), and `native` resolves
+    compiled in from here (the tile kernels or not, the prefetch instruction, the BF16 products), and `native` resolves
     per process (to avx512amx only where Linux grants the tile state): so each resolved choice loads
     and saves its kernels in a subfolder of numba's cache dir of its own, and a process is never
     handed code its choice cannot run."""
     from numba.core import config
     if config.CACHE_DIR:
-        config.CACHE_DIR = os.path.join(config.CACHE_DIR, f"{variant()}-{prefetch_target()}")
+        config.CACHE_DIR = os.path.join(config.CACHE_DIR, f"{variant()}-{prefetch_target()}-{bf16_dot()}")
 
 
 def compiled_for() -> tuple[str, str]:

@@ -22,6 +22,7 @@ VNNI = HAS_AVX2 and _isa.variant() != "avx2"      # vpdpbusd on 256-bit register
 REGISTERS = 32 if _isa.variant() in ("avx512vnni", "avx512amx") else 16   # vector registers the kernels' tiles can fill
 WIDE = REGISTERS == 32          # the 512-bit kernels (zmm registers) are compiled: the AVX-512 variants
 AMX = _isa.variant() == "avx512amx"              # the K-quants' prompts on AMX tiles (kernels.cpu.qdot.amx)
+BF16DP = WIDE and _isa.bf16_dot() == "vdpbf16ps"  # BF16 prompt tiles on vdpbf16ps (kernels.cpu.qdot.dense)
 PREFETCH_LOCALITY = 3 if _isa.prefetch_target() == "l1" else 2  # llvm.prefetch's: 3 prefetcht0, 2 prefetcht1
 
 i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -142,6 +143,13 @@ def pshufb(builder, table, idx):
 def fma(builder, a, b, c):
     """a * b + c with one rounding per lane (_mm256_fmadd_ps)."""
     return call(builder, "llvm.fma.v8f32", V8F, [a, b, c])
+
+
+def dpbf16(builder, acc, a, b):
+    """vdpbf16ps on 512-bit registers: per float lane, acc + a.hi * b.hi, rounded, then + a.lo * b.lo,
+    rounded (a, b: V16I, each dword two bf16, `hi` its upper half). Declared with the dword operands
+    LLVM took before it had a bfloat type; LLVM's auto-upgrade turns the call into today's form."""
+    return call(builder, "llvm.x86.avx512bf16.dpbf16ps.512", V16F, [acc, a, b])
 
 
 def lanes(builder, v, n=8):

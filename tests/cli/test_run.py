@@ -226,6 +226,7 @@ def test_models_list_info_path(qwen_path):
     forced = run_kvchat("models", "info", str(qwen_path),
                         env={"KVCHAT_ISA": "avx2", "KVCHAT_PREFETCH": "l1", "KVCHAT_WEIGHTS": "mapped"}).stdout.decode()
     assert "CPU kernels     avx2 (KVCHAT_ISA=avx2;" in forced and "prefetch into l1 (KVCHAT_PREFETCH)" in forced
+    assert "BF16 products on fma (KVCHAT_BF16)" in forced           # vdpbf16ps is an AVX-512 instruction
     assert "weights         mapped from their files (KVCHAT_WEIGHTS)" in forced
     memory = run_kvchat("models", "info", str(qwen_path), env={"KVCHAT_WEIGHTS": "memory"}).stdout.decode()
     assert "weights         read into memory (KVCHAT_WEIGHTS)" in memory
@@ -234,6 +235,7 @@ def test_models_list_info_path(qwen_path):
 @pytest.mark.parametrize("name,value,choices", [
     ("KVCHAT_WEIGHTS", "hugepages", "auto, memory, mapped"),
     ("KVCHAT_PREFETCH", "l3", "auto, l1, l2"),
+    ("KVCHAT_BF16", "bf16", "auto, vdpbf16ps, fma"),
     ("KVCHAT_ISA", "bogus", "native, avx2, avxvnni, avx512vnni, avx512amx"),
     ("KVCHAT_KV_DISK", "maybe", "auto, on, off"),
 ])

@@ -7,7 +7,9 @@ The rest of the suite runs with the choices this CPU makes by itself. What a CPU
   AVX-512 VNNI or AVX-VNNI, vpmaddubsw + vpmaddwd with AVX2), and torch's oneDNN/ATen dispatch for
   the float path's bf16 prefill GEMM (all forced with KVCHAT_ISA, see kernels/cpu/isa.py);
 - where decode's software prefetches put the weights (KVCHAT_PREFETCH: L2 on Intel, L1 elsewhere),
-  which moves no value: its other choice runs the exact matmul suite once.
+  which moves no value: its other choice runs the exact matmul suite once;
+- how BF16 prompt tiles multiply (KVCHAT_BF16: vdpbf16ps with AVX512_BF16, fma otherwise): where
+  this CPU picks vdpbf16ps, the fma tiles run the BF16 tests of the model and matmul suites.
 
 Each variant below reruns, in a fresh process, the tests that compare with llama.cpp bit for bit
 (and within stated tolerances) through the whole model, plus the kernels' libm and op tests, which
@@ -58,7 +60,13 @@ def variants() -> dict[str, dict[str, str]]:
         # the kernel variants between this CPU's own pick (the rest of the suite) and avx2 (above),
         # e.g. AVX-VNNI on a CPU that also has AVX-512 VNNI
         out[variant] = {"KVCHAT_ISA": variant}
+    if isa.bf16_dot() == "vdpbf16ps":
+        out["bf16-fma"] = {"KVCHAT_BF16": "fma"}
     return out
+
+
+# a variant that changes one type's kernels reruns only that type's tests
+SELECT = {"bf16-fma": ["-k", "BF16 or bf16 or forced"]}
 
 
 VARIANTS = variants()
@@ -83,7 +91,8 @@ def variant_runs():
         # suite's code against a numpy reference computed differently: only the model, libm and ops
         # suites go through numpy in kvchat's own arithmetic
         suites = [s for s in SUITES if name != "numpy-baseline" or s != "tests/kernels/test_matmul.py"]
-        runs[name] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *suites],
+        runs[name] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *suites,
+                                       *SELECT.get(name, [])],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield runs
     for proc in runs.values():

@@ -98,9 +98,13 @@ def test_forced_cpu_choices_are_in_force():
         assert ("+avxvnni" in features) == (isa.chosen() == "avxvnni"), features
     else:
         assert name != "x86-64-v3"
+    from kernels.cpu import simd
+    assert simd.BF16DP == (isa.bf16_dot() == "vdpbf16ps")
+    if os.environ.get(isa.BF16_ENV, "").strip().lower() == "fma":
+        assert not simd.BF16DP
     # and the kernels load and save in the compile cache of the choice this process resolved
     from numba.core import config
-    assert os.path.basename(config.CACHE_DIR) == f"{isa.variant()}-{isa.prefetch_target()}", config.CACHE_DIR
+    assert os.path.basename(config.CACHE_DIR) == f"{isa.variant()}-{isa.prefetch_target()}-{isa.bf16_dot()}", config.CACHE_DIR
 
 
 def test_isa_variants_follow_the_cpu_flags():
@@ -123,3 +127,17 @@ def test_isa_variants_follow_the_cpu_flags():
         with pytest.raises(BadInputError, match="this CPU cannot run it"):
             isa.check(choice, host)
     assert isa.avx2_features("+avx2,+gfni,+avx512f,+avxvnni", keep=("avxvnni",)) == "+avx2,-gfni,-avx512f,+avxvnni"
+
+
+def test_bf16_products_follow_the_cpu_flags(monkeypatch):
+    """vdpbf16ps where this process's kernels are an AVX-512 variant and the CPU has AVX512_BF16,
+    fma otherwise, and a refusal where it is forced on a CPU without it."""
+    monkeypatch.delenv(isa.BF16_ENV, raising=False)
+    wide = isa.variant() in ("avx512vnni", "avx512amx")
+    assert isa.bf16_dot({"avx512bf16": True}) == ("vdpbf16ps" if wide else "fma")
+    assert isa.bf16_dot({"avx512bf16": False}) == "fma"
+    monkeypatch.setenv(isa.BF16_ENV, "fma")
+    assert isa.bf16_dot({"avx512bf16": True}) == "fma"
+    monkeypatch.setenv(isa.BF16_ENV, "vdpbf16ps")
+    with pytest.raises(BadInputError, match="has no AVX512_BF16"):
+        isa.bf16_dot({"avx512bf16": False})

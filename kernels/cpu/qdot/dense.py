@@ -16,6 +16,19 @@ multiple of 32): kernels.cpu.qdot.exact_layout gives no exact layout otherwise.
 The activations come as float32 rows already holding the rounded values (act.round_activation);
 the weights are the GGUF rows in place, widened to float32 in registers (vcvtph2ps for F16, a
 16-bit shift for BF16).
+
+BF16 tiles with AVX512_BF16 (kernels.cpu.isa.bf16_dot): `vdpbf16ps` adds two bf16 products to a
+float lane, the dword's upper one first, each add rounded once (what Intel's manual specifies, and
+what tests/kernels/test_matmul.py checks on the CPU at hand). A product of two bf16 numbers is exact
+in float32 (8 by 8 significant bits), so one step is the same number as tinyBLAS's
+fma(w, x, acc), and a lane given elements l+e (upper half) and l+8+e (lower) takes two links of
+tinyBLAS's 8-lane chain at once: twice the products per instruction, the same bits. But
+vdpbf16ps treats subnormal inputs and results as zero, which fma does not. They never meet one
+where every nonzero weight and activation is at least 2^-56 in magnitude: each is then a multiple
+of 2^-63, each product a multiple of 2^-126 and at least 2^-112, and so is every sum of them, which
+is 0 or a normal float. So the kernel checks: the weights of a tile in its first pass over K, the
+activations as they are packed; where any is smaller (a gate far below zero gives SiLU products
+near 2^-60), that tile or chunk takes the fma kernels.
 """
 from __future__ import annotations
 
@@ -28,7 +41,8 @@ from numba.extending import intrinsic
 from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
 from kernels.cpu.simd import (
-    V8F, V8H, V8I, V16F, V16I, WIDE, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i16, i32, not_this_variant, prefetch, reduce4x8, vload,
+    BF16DP, V8F, V8H, V8I, V16F, V16I, WIDE, array, byte_ptr, c32, c64, call, dpbf16, fma, hsum8, hsum8_pairs, i16, i32, not_this_variant,
+    prefetch, reduce4x8, vload,
 )
 
 _ELEM_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
@@ -199,6 +213,100 @@ def _pair_rows(x, m0, n):
     return xp
 
 
+TINY_BF16 = 0x2380   # bf16 bits of 2^-56 (sign cleared): a nonzero value below it may meet a subnormal
+V16S = ir.VectorType(i16, 16)
+# 16 weights w[l..l+16) -> per dword lane e of both 256-bit halves (w[l+8+e], w[l+e]): vdpbf16ps adds
+# the upper one, w[l+e], first
+_LINK_PAIRS = ir.Constant(ir.VectorType(i32, 32), [k for e in range(8) for k in (8 + e, e)] * 2)
+
+
+def _bf16_dp512_kernel(MR: int, NP: int, check: bool):
+    """kern(w, n0, xb, p0, out, m0, m_end): the BF16 tiles of _dense_tiny512_kernel on vdpbf16ps,
+    16 elements of K a step (xb (M/2, K/16, 16) uint32 from _pair_rows_bf16: lanes 0-7 row 2q, 8-15
+    row 2q+1). With `check` it returns False, having written outputs that do not count, where a
+    weight of rows n0 .. n0+MR-1 is nonzero and below 2^-56 (see the module's docstring)."""
+
+    def kern(typingctx, w, n0, xb, p0, out, m0, m_end):
+        sig = (types.boolean if check else types.void)(w, n0, xb, p0, out, m0, m_end)
+
+        def codegen(context, builder, signature, args):
+            wa, _, xa, _, oa, _, _ = (array(context, builder, signature.args[k], args[k]) if k in (0, 2, 4) else None
+                                      for k in range(7))
+            n0v, p0v, m0v, Mv = args[1], args[3], args[5], args[6]
+            K16 = builder.extract_value(xa.shape, 1)
+            N = builder.extract_value(oa.shape, 1)
+            stride = builder.extract_value(wa.strides, 0)
+            wrows = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(n0v, c64(i)), stride)])
+                     for i in range(MR)]
+            xrows = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(p0v, c64(q)), builder.mul(K16, c64(64)))])
+                     for q in range(NP)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MR)]
+                   for _ in range(NP)]
+            tiny = cgutils.alloca_once_value(builder, ir.Constant(V16S, [0] * 16))
+            with cgutils.for_range(builder, K16) as loop:
+                off = builder.mul(loop.index, c64(32))
+                wv = []
+                for r in wrows:
+                    raw = vload(builder, builder.gep(r, [off]), V16S)
+                    wv.append(builder.bitcast(builder.shuffle_vector(raw, raw, _LINK_PAIRS), V16I))
+                    if check:            # 0 < |w| < 2^-56: (bits & 0x7fff) - 1 below TINY_BF16 - 1, unsigned
+                        m = builder.sub(builder.and_(raw, ir.Constant(V16S, [0x7FFF] * 16)), ir.Constant(V16S, [1] * 16))
+                        low = builder.icmp_unsigned("<", m, ir.Constant(V16S, [TINY_BF16 - 1] * 16))
+                        builder.store(builder.or_(builder.load(tiny), builder.sext(low, V16S)), tiny)
+                for q in range(NP):
+                    xv = vload(builder, builder.gep(xrows[q], [builder.mul(off, c64(2))]), V16I)
+                    for i in range(MR):
+                        builder.store(dpbf16(builder, builder.load(acc[q][i]), wv[i], xv), acc[q][i])
+
+            for q in range(NP):
+                for i in range(MR):
+                    t = hsum8_pairs(builder, builder.load(acc[q][i]), interleaved=False)
+                    for h in range(2):
+                        row = builder.add(m0v, builder.add(builder.mul(builder.add(p0v, c64(q)), c64(2)), c64(h)))
+                        with builder.if_then(builder.icmp_signed("<", row, Mv)):
+                            idx = builder.add(builder.mul(row, N), builder.add(n0v, c64(i)))
+                            builder.store(builder.extract_element(t, c32(8 * h)), builder.gep(oa.data, [idx]))
+            if check:
+                flags = builder.bitcast(builder.load(tiny), ir.IntType(256))
+                return builder.icmp_unsigned("==", flags, ir.Constant(ir.IntType(256), 0))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"bf16_dp512_{MR}x{NP}" + ("_check" if check else "")
+    return intrinsic(kern)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _pair_rows_bf16(x, m0, n):
+    """Rows m0 .. m0+n-1 of x (M, K; float32 holding bf16 values) as vdpbf16ps operands, two rows to
+    a register: (ceil(n/2), K/16, 16) uint32, lane 8h+e of step t the bf16 pair (x[r, 16t+e] upper,
+    x[r, 16t+8+e] lower) of row r = m0+2q+h (zeros past the last row). Also whether every nonzero
+    value is at least 2^-56 in magnitude (the module's docstring)."""
+    K = x.shape[1]
+    bits = x.view(np.uint32)
+    xb = np.empty(((n + 1) // 2, K // 16, 16), np.uint32)
+    ok = np.ones(xb.shape[0], np.bool_)
+    for q in prange(xb.shape[0]):
+        for h in range(2):
+            r = 2 * q + h
+            for t in range(K // 16):
+                for e in range(8):
+                    hi = bits[m0 + r, 16 * t + e] >> 16 if r < n else np.uint32(0)
+                    lo = bits[m0 + r, 16 * t + 8 + e] >> 16 if r < n else np.uint32(0)
+                    xb[q, t, 8 * h + e] = (hi << 16) | lo
+                    if (0 < (hi & 0x7FFF) < TINY_BF16) or (0 < (lo & 0x7FFF) < TINY_BF16):
+                        ok[q] = False
+    return xb, ok.all()
+
+
+@njit(cache=True)
+def _no_bf16dp(*args):
+    """Stands in for the vdpbf16ps kernels where they are not compiled (BF16DP is False)."""
+    raise RuntimeError("a vdpbf16ps kernel was called on a variant without them")
+    return False
+
+
 DENSE_TYPES = (T.F32, T.F16, T.BF16)
 f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t) for t in DENSE_TYPES)
 f32_tiny, f16_tiny, bf16_tiny = (_dense_tiny_kernel(t, TINY_MR, TINY_NR) for t in DENSE_TYPES)
@@ -210,6 +318,33 @@ if WIDE:
     f32_tiny512_1, f16_tiny512_1, bf16_tiny512_1 = (_dense_tiny512_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
 else:
     f32_tiny512 = f16_tiny512 = bf16_tiny512 = f32_tiny512_1 = f16_tiny512_1 = bf16_tiny512_1 = not_this_variant
+if BF16DP:
+    bf16_dp512, bf16_dp512_1 = (_bf16_dp512_kernel(TINY_MR, np_, False) for np_ in (TINY512_NP, 1))
+    bf16_dp512_check, bf16_dp512_1_check = (_bf16_dp512_kernel(TINY_MR, np_, True) for np_ in (TINY512_NP, 1))
+else:
+    bf16_dp512 = bf16_dp512_1 = bf16_dp512_check = bf16_dp512_1_check = _no_bf16dp
+
+
+@njit(inline="always")
+def _bf16_dp_tiles(w, n0, xb, out, m0, m_end):
+    """The vdpbf16ps tiles for weight rows n0 .. n0+TINY_MR-1 and every row pair of xb; False (the
+    outputs not final) where the first pass found one of the rows' weights too small for them."""
+    pairs = xb.shape[0]
+    if pairs >= TINY512_NP:
+        ok = bf16_dp512_check(w, n0, xb, 0, out, m0, m_end)
+        q = TINY512_NP
+    else:
+        ok = bf16_dp512_1_check(w, n0, xb, 0, out, m0, m_end)
+        q = 1
+    if not ok:
+        return False
+    while q + TINY512_NP <= pairs:
+        bf16_dp512(w, n0, xb, q, out, m0, m_end)
+        q += TINY512_NP
+    while q < pairs:
+        bf16_dp512_1(w, n0, xb, q, out, m0, m_end)
+        q += 1
+    return True
 
 
 @njit(inline="always")
@@ -282,6 +417,13 @@ def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
         if run_batched[r] and n >= 2 and tiny_ok:
             for c0 in range(r0, r0 + n, chunk):
                 rows = min(r0 + n, c0 + chunk) - c0
+                if BF16DP and ggml_type == T.BF16:
+                    xb, x_ok = _pair_rows_bf16(x, c0, rows)
+                    if x_ok:
+                        for t in prange(N // TINY_MR):
+                            if not _bf16_dp_tiles(w, t * TINY_MR, xb, out, c0, c0 + rows):
+                                _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
+                        continue
                 if WIDE:
                     xp = _pair_rows(x, c0, rows)
                     for t in prange(N // TINY_MR):
