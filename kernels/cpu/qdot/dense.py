@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 from kernels import types as T
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
 from kernels.cpu.simd import (
-    BF16DP, V8F, V8H, V8I, V16F, V16I, WIDE, array, byte_ptr, c32, c64, call, dpbf16, fma, hsum8, hsum8_pairs, i16, i32, not_this_variant,
+    BF16DP, V8F, V8H, V8I, V16F, V16I, V16S, WIDE, array, byte_ptr, c32, c64, call, dpbf16, fma, hsum8, hsum8_pairs, i16, i32, not_this_variant,
     prefetch, reduce4x8, vload,
 )
 
@@ -151,112 +151,62 @@ def _load_w8_twice(builder, ggml_type: int, p):
     return builder.bitcast(builder.shl(builder.zext(v, V16I), ir.Constant(V16I, [16] * 16)), V16F)
 
 
-def _dense_tiny512_kernel(ggml_type: int, MR: int, NP: int):
-    """kern(w, n0, xp, p0, out, m0, m_end): out[m0 + 2(p0+q) + h, n0+i] for i < MR, q < NP, h < 2
-    (rows below m_end),
-    tinyBLAS's numbers on 512-bit registers: two activation rows per register (lanes 0-7 row 2q,
-    8-15 row 2q+1; xp (M/2, K/8, 16) from _pair_rows), each weight vector widened once into both
-    halves. Per output the same 8-lane fma chain over K and the same hsum, both halves at once."""
-    eb = _ELEM_BYTES[ggml_type]
-
-    def kern(typingctx, w, n0, xp, p0, out, m0, m_end):
-        sig = types.void(w, n0, xp, p0, out, m0, m_end)
-
-        def codegen(context, builder, signature, args):
-            wa, _, xa, _, oa, _, _ = (array(context, builder, signature.args[k], args[k]) if k in (0, 2, 4) else None
-                                      for k in range(7))
-            n0v, p0v, m0v, Mv = args[1], args[3], args[5], args[6]
-            K8 = builder.extract_value(xa.shape, 1)
-            N = builder.extract_value(oa.shape, 1)
-            stride = builder.extract_value(wa.strides, 0)
-            wrows = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(n0v, c64(i)), stride)])
-                     for i in range(MR)]
-            xrows = [builder.gep(xa.data, [builder.mul(builder.add(p0v, c64(q)), builder.mul(K8, c64(16)))]) for q in range(NP)]
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MR)]
-                   for _ in range(NP)]
-            with cgutils.for_range(builder, K8) as loop:
-                l = loop.index
-                wv = [_load_w8_twice(builder, ggml_type, builder.gep(r, [builder.mul(l, c64(8 * eb))])) for r in wrows]
-                for q in range(NP):
-                    xv = vload(builder, builder.gep(xrows[q], [builder.mul(l, c64(16))]), V16F)
-                    for i in range(MR):
-                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [wv[i], xv, builder.load(acc[q][i])]), acc[q][i])
-
-            for q in range(NP):
-                for i in range(MR):
-                    t = hsum8_pairs(builder, builder.load(acc[q][i]), interleaved=False)
-                    for h in range(2):
-                        row = builder.add(m0v, builder.add(builder.mul(builder.add(p0v, c64(q)), c64(2)), c64(h)))
-                        with builder.if_then(builder.icmp_signed("<", row, Mv)):
-                            idx = builder.add(builder.mul(row, N), builder.add(n0v, c64(i)))
-                            builder.store(builder.extract_element(t, c32(8 * h)), builder.gep(oa.data, [idx]))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_tiny512_{MR}x{NP}"
-    return intrinsic(kern)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _pair_rows(x, m0, n):
-    """Rows m0 .. m0+n-1 of x (M, K) two to a register: (ceil(n/2), K/8, 16), the 8 floats of row
-    m0+2q then of row m0+2q+1 (zeros past the last row)."""
-    K = x.shape[1]
-    xp = np.empty(((n + 1) // 2, K // 8, 16), np.float32)
-    for q in prange(xp.shape[0]):
-        for h in range(2):
-            r = 2 * q + h
-            for k in range(K // 8):
-                for e in range(8):
-                    xp[q, k, 8 * h + e] = x[m0 + r, 8 * k + e] if r < n else np.float32(0.0)
-    return xp
-
-
 TINY_BF16 = 0x2380   # bf16 bits of 2^-56 (sign cleared): a nonzero value below it may meet a subnormal
-V16S = ir.VectorType(i16, 16)
 # 16 weights w[l..l+16) -> per dword lane e of both 256-bit halves (w[l+8+e], w[l+e]): vdpbf16ps adds
 # the upper one, w[l+e], first
 _LINK_PAIRS = ir.Constant(ir.VectorType(i32, 32), [k for e in range(8) for k in (8 + e, e)] * 2)
 
 
-def _bf16_dp512_kernel(MR: int, NP: int, check: bool):
-    """kern(w, n0, xb, p0, out, m0, m_end): the BF16 tiles of _dense_tiny512_kernel on vdpbf16ps,
-    16 elements of K a step (xb (M/2, K/16, 16) uint32 from _pair_rows_bf16: lanes 0-7 row 2q, 8-15
-    row 2q+1). With `check` it returns False, having written outputs that do not count, where a
-    weight of rows n0 .. n0+MR-1 is nonzero and below 2^-56 (see the module's docstring)."""
+def _dense_tiny512_kernel(ggml_type: int, MR: int, NP: int, dp: bool = False, check: bool = False):
+    """kern(w, n0, xp, p0, out, m0, m_end): out[m0 + 2(p0+q) + h, n0+i] for i < MR, q < NP, h < 2
+    (rows below m_end), tinyBLAS's numbers on 512-bit registers: two activation rows per register
+    (lanes 0-7 row 2q, 8-15 row 2q+1), per output the same 8-lane chain over K and the same hsum,
+    both halves at once. Each step:
+    - fma (xp (M/2, K/8, 16) float32 from _pair_rows): 8 elements of K, each weight vector widened
+      once into both halves;
+    - dp (BF16 on vdpbf16ps; xp (M/2, K/16, 16) uint32 from _pair_rows_bf16): 16 elements, two
+      links of each lane's chain per instruction (the module's docstring). With `check` it returns
+      False, having written outputs that do not count, where a weight of rows n0 .. n0+MR-1 is
+      nonzero and below 2^-56."""
+    eb = _ELEM_BYTES[ggml_type]
+    assert ggml_type == T.BF16 or not dp
 
-    def kern(typingctx, w, n0, xb, p0, out, m0, m_end):
-        sig = (types.boolean if check else types.void)(w, n0, xb, p0, out, m0, m_end)
+    def kern(typingctx, w, n0, xp, p0, out, m0, m_end):
+        sig = (types.boolean if check else types.void)(w, n0, xp, p0, out, m0, m_end)
 
         def codegen(context, builder, signature, args):
             wa, _, xa, _, oa, _, _ = (array(context, builder, signature.args[k], args[k]) if k in (0, 2, 4) else None
                                       for k in range(7))
             n0v, p0v, m0v, Mv = args[1], args[3], args[5], args[6]
-            K16 = builder.extract_value(xa.shape, 1)
+            steps = builder.extract_value(xa.shape, 1)                # each step 16 lanes of 4 bytes
             N = builder.extract_value(oa.shape, 1)
             stride = builder.extract_value(wa.strides, 0)
             wrows = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(n0v, c64(i)), stride)])
                      for i in range(MR)]
-            xrows = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(p0v, c64(q)), builder.mul(K16, c64(64)))])
+            xrows = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(p0v, c64(q)), builder.mul(steps, c64(64)))])
                      for q in range(NP)]
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MR)]
                    for _ in range(NP)]
             tiny = cgutils.alloca_once_value(builder, ir.Constant(V16S, [0] * 16))
-            with cgutils.for_range(builder, K16) as loop:
-                off = builder.mul(loop.index, c64(32))
+            with cgutils.for_range(builder, steps) as loop:
+                l = loop.index
                 wv = []
                 for r in wrows:
-                    raw = vload(builder, builder.gep(r, [off]), V16S)
+                    if not dp:
+                        wv.append(_load_w8_twice(builder, ggml_type, builder.gep(r, [builder.mul(l, c64(8 * eb))])))
+                        continue
+                    raw = vload(builder, builder.gep(r, [builder.mul(l, c64(32))]), V16S)
                     wv.append(builder.bitcast(builder.shuffle_vector(raw, raw, _LINK_PAIRS), V16I))
                     if check:            # 0 < |w| < 2^-56: (bits & 0x7fff) - 1 below TINY_BF16 - 1, unsigned
                         m = builder.sub(builder.and_(raw, ir.Constant(V16S, [0x7FFF] * 16)), ir.Constant(V16S, [1] * 16))
                         low = builder.icmp_unsigned("<", m, ir.Constant(V16S, [TINY_BF16 - 1] * 16))
                         builder.store(builder.or_(builder.load(tiny), builder.sext(low, V16S)), tiny)
                 for q in range(NP):
-                    xv = vload(builder, builder.gep(xrows[q], [builder.mul(off, c64(2))]), V16I)
+                    xv = vload(builder, builder.gep(xrows[q], [builder.mul(l, c64(64))]), V16I if dp else V16F)
                     for i in range(MR):
-                        builder.store(dpbf16(builder, builder.load(acc[q][i]), wv[i], xv), acc[q][i])
+                        a = builder.load(acc[q][i])
+                        a = dpbf16(builder, a, wv[i], xv) if dp else call(builder, "llvm.fma.v16f32", V16F, [wv[i], xv, a])
+                        builder.store(a, acc[q][i])
 
             for q in range(NP):
                 for i in range(MR):
@@ -273,8 +223,24 @@ def _bf16_dp512_kernel(MR: int, NP: int, check: bool):
 
         return sig, codegen
 
-    kern.__name__ = f"bf16_dp512_{MR}x{NP}" + ("_check" if check else "")
+    kern.__name__ = (f"{T.TRAITS[ggml_type].name.lower()}_{'dp' if dp else 'tiny'}512_{MR}x{NP}"
+                     + ("_check" if check else ""))
     return intrinsic(kern)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _pair_rows(x, m0, n):
+    """Rows m0 .. m0+n-1 of x (M, K) two to a register: (ceil(n/2), K/8, 16), the 8 floats of row
+    m0+2q then of row m0+2q+1 (zeros past the last row)."""
+    K = x.shape[1]
+    xp = np.empty(((n + 1) // 2, K // 8, 16), np.float32)
+    for q in prange(xp.shape[0]):
+        for h in range(2):
+            r = 2 * q + h
+            for k in range(K // 8):
+                for e in range(8):
+                    xp[q, k, 8 * h + e] = x[m0 + r, 8 * k + e] if r < n else np.float32(0.0)
+    return xp
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -319,8 +285,9 @@ if WIDE:
 else:
     f32_tiny512 = f16_tiny512 = bf16_tiny512 = f32_tiny512_1 = f16_tiny512_1 = bf16_tiny512_1 = not_this_variant
 if BF16DP:
-    bf16_dp512, bf16_dp512_1 = (_bf16_dp512_kernel(TINY_MR, np_, False) for np_ in (TINY512_NP, 1))
-    bf16_dp512_check, bf16_dp512_1_check = (_bf16_dp512_kernel(TINY_MR, np_, True) for np_ in (TINY512_NP, 1))
+    bf16_dp512, bf16_dp512_1 = (_dense_tiny512_kernel(T.BF16, TINY_MR, np_, dp=True) for np_ in (TINY512_NP, 1))
+    bf16_dp512_check, bf16_dp512_1_check = (_dense_tiny512_kernel(T.BF16, TINY_MR, np_, dp=True, check=True)
+                                            for np_ in (TINY512_NP, 1))
 else:
     bf16_dp512 = bf16_dp512_1 = bf16_dp512_check = bf16_dp512_1_check = _no_bf16dp
 
