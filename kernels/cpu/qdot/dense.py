@@ -18,8 +18,9 @@ the weights are the GGUF rows in place, widened to float32 in registers (vcvtph2
 16-bit shift for BF16).
 
 BF16 tiles with AVX512_BF16 (kernels.cpu.isa.bf16_dot): `vdpbf16ps` adds two bf16 products to a
-float lane, the dword's upper one first, each add rounded once (what Intel's manual specifies, and
-what tests/kernels/test_matmul.py checks on the CPU at hand). A product of two bf16 numbers is exact
+float lane, the dword's upper one first, each add rounded once (what Intel's manual specifies; the
+BF16 tests of tests/kernels/test_matmul.py, against a numpy model of tinyBLAS's chain, fail on a
+CPU that adds them in the other order or rounds once). A product of two bf16 numbers is exact
 in float32 (8 by 8 significant bits), so one step is the same number as tinyBLAS's
 fma(w, x, acc), and a lane given elements l+e (upper half) and l+8+e (lower) takes two links of
 tinyBLAS's 8-lane chain at once: twice the products per instruction, the same bits. But
