@@ -41,7 +41,7 @@ V16F = ir.VectorType(f32, 16)    # ... of float32 (or two 256-bit registers, whe
 @njit(cache=True)
 def not_this_variant(*args):
     """Stands in for a kernel this ISA variant does not compile (the 512-bit or the AMX ones): the
-    dispatch checks WIDE / AMX and never calls it, but numba types every branch, so the name exists."""
+    dispatch checks WIDE / AMX / BF16DP and never calls it, but numba types every branch, so the name exists."""
     raise RuntimeError("a kernel of another ISA variant was called (the dispatch never picks it here)")
 
 

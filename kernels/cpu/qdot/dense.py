@@ -188,7 +188,7 @@ def _dense_tiny512_kernel(ggml_type: int, MR: int, NP: int, dp: bool = False, ch
                      for q in range(NP)]
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MR)]
                    for _ in range(NP)]
-            tiny = cgutils.alloca_once_value(builder, ir.Constant(V16S, [0] * 16))
+            tiny = cgutils.alloca_once_value(builder, ir.Constant(V16S, [0] * 16)) if check else None
             with cgutils.for_range(builder, steps) as loop:
                 l = loop.index
                 wv = []
@@ -267,13 +267,6 @@ def _pair_rows_bf16(x, m0, n):
     return xb, ok.all()
 
 
-@njit(cache=True)
-def _no_bf16dp(*args):
-    """Stands in for the vdpbf16ps kernels where they are not compiled (BF16DP is False; the dispatch
-    then never calls it): it declines, as the check does, so a caller would take the fma tiles."""
-    return False
-
-
 DENSE_TYPES = (T.F32, T.F16, T.BF16)
 f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t) for t in DENSE_TYPES)
 f32_tiny, f16_tiny, bf16_tiny = (_dense_tiny_kernel(t, TINY_MR, TINY_NR) for t in DENSE_TYPES)
@@ -290,7 +283,7 @@ if BF16DP:
     bf16_dp512_check, bf16_dp512_1_check = (_dense_tiny512_kernel(T.BF16, TINY_MR, np_, dp=True, check=True)
                                             for np_ in (TINY512_NP, 1))
 else:
-    bf16_dp512 = bf16_dp512_1 = bf16_dp512_check = bf16_dp512_1_check = _no_bf16dp
+    bf16_dp512 = bf16_dp512_1 = bf16_dp512_check = bf16_dp512_1_check = not_this_variant
 
 
 @njit(inline="always")
