@@ -143,7 +143,7 @@ def _tb512_kernel(RP: int, RN: int):
                             vstore(builder, half, builder.gep(ca.data, [builder.add(ic, builder.mul(row, ldr))]))
                     continue
                 for j in range(RN):
-                    t = hsum8_pairs(builder, builder.load(acc[p][j]), interleaved=False)
+                    t = hsum8_pairs(builder, builder.load(acc[p][j]))
                     for h in range(2):
                         row = c64(2 * p + h)
                         with builder.if_then(builder.icmp_signed("<", row, nr)):

@@ -163,11 +163,11 @@ def hsum8(builder, v):
     return builder.fadd(builder.fadd(r[0], r[2]), builder.fadd(r[1], r[3]))
 
 
-def hsum8_pairs(builder, v, interleaved: bool):
+def hsum8_pairs(builder, v):
     """hsum_float_8's tree, ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7)), for the two rows a 512-bit
-    register (V16F) holds at once: lane k of row h is lane 2k+h (interleaved) or 8h+k (halves).
-    Returns the vector whose lane h (interleaved) or 8h (halves) holds row h's sum."""
-    for d in ((8, 4, 2) if interleaved else (4, 2, 1)):
+    register (V16F) holds at once, lane k of row h in lane 8h+k. Returns the vector whose lane 8h
+    holds row h's sum."""
+    for d in (4, 2, 1):
         swap = ir.Constant(ir.VectorType(i32, 16), [k ^ d for k in range(16)])
         v = builder.fadd(v, builder.shuffle_vector(v, v, swap))
     return v

@@ -116,12 +116,14 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 53])
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
-    or passes of up to 8 rows: 9, 16, 37 take several) and the panel kernel (48 rows or more: Q5_0, and Q8_0
-    with 512-bit registers; both tile heights leave a ragged last tile at 53),
+    or passes of up to 8 rows: 9, 16, 37 take several) and the panel kernel (Q5_0, and Q8_0 with
+    512-bit registers: from 48 rows, or 32 with 512-bit registers, whose groups of 16 leave a ragged
+    last one at 37 and 53),
     Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
     layouts' padding."""
-    assert (m >= qdot.PANEL_MIN_ROWS) == (m == 53)    # the panel kernel is covered, by 53 only (ragged
-                                                      # last tiles of 8 and of 3 rows)
+    # the panel kernel is covered: by 53 (ragged last tiles of 3 rows, or of a group of 16), and with
+    # 512-bit registers by 37 too
+    assert (m >= qdot.PANEL_MIN_ROWS) == (m == 53 or (m == 37 and qdot.WIDE))
     if GGML_BLOCK[ggml_type][0] == 256 and n_cols % 256:
         n_cols = 1536
     if TRAITS[ggml_type].rows8 and n_rows % 8:
@@ -135,6 +137,18 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     rows = Int8Rows(x, TRAITS[ggml_type].vec_dot)
     got = qm.matmul_int8(rows)
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, True)]))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q8_0], ids=_name)
+def test_panel_rows_that_end_in_half_a_register(ggml_type):
+    """Rows of 160 (K % 64 == 32): the 512-bit panel's activations, 16 dwords of 16 rows per register
+    step, end in half a step (rows16.regroup_biased fills it); still bit for bit the model."""
+    rng = np.random.default_rng(ggml_type)
+    raw = random_quantized(ggml_type, 24, 160, rng)
+    qm = QMatrix(raw, ggml_type, 24, 160)
+    x = rng.standard_normal((53, 160)).astype(np.float32)
+    rows = Int8Rows(x, TRAITS[ggml_type].vec_dot)
+    np.testing.assert_array_equal(qm.matmul_int8(rows), _expected(ggml_type, raw, 160, rows, [(0, 53, True)]))
 
 
 def test_the_wide_prompt_kernels_are_the_ones_tested():

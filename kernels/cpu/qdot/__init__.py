@@ -54,7 +54,7 @@ from kernels.cpu.qdot.q5_k import _q5_k_rows
 from kernels.cpu.qdot.q6_k import _q6_k_rows
 from kernels.cpu.qdot import amx, tiled16
 from kernels.cpu.qdot import rows16
-from kernels.cpu.simd import HAS_AVX2
+from kernels.cpu.simd import HAS_AVX2, WIDE
 from kernels.types import ACT_F16, ACT_F32, ACT_BF16, ACT_Q8_0, ACT_Q8_K, TRAITS
 
 
@@ -103,8 +103,9 @@ AMX = amx.AMX
 q4_k_prompt = amx.q4_k_prompt if AMX else _q4_k_prompt_512
 NO_SUMS = np.zeros((0, 0, 16), np.int32)     # tiled16.prompt's 16-element sums, for the types without minimums
 # From this many activation rows on, the types with a panel kernel (q0.has_panel) go through it
-# (below it the multi-row x8 kernel is faster; README: measured).
-PANEL_MIN_ROWS = 48
+# (below it the multi-row x8 kernel is faster; README: measured): the 512-bit panel's groups of 16
+# rows pay off from two of them.
+PANEL_MIN_ROWS = 32 if WIDE else 48
 EXACT_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.exact) if HAS_AVX2 else frozenset()
 
 

@@ -211,7 +211,7 @@ def _dense_tiny512_kernel(ggml_type: int, MR: int, NP: int, dp: bool = False, ch
 
             for q in range(NP):
                 for i in range(MR):
-                    t = hsum8_pairs(builder, builder.load(acc[q][i]), interleaved=False)
+                    t = hsum8_pairs(builder, builder.load(acc[q][i]))
                     for h in range(2):
                         row = builder.add(m0v, builder.add(builder.mul(builder.add(p0v, c64(q)), c64(2)), c64(h)))
                         with builder.if_then(builder.icmp_signed("<", row, Mv)):

@@ -10,10 +10,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels import types as T
+from kernels.cpu.qdot import rows16
 from kernels.cpu.qdot.common import NB_PAD, PREFETCH
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, hsum8_pairs, i32, i64, load_as,
-    V16F, V16I, V64B, VNNI, WIDE, dot4, psign, pshufb, splat, transpose, vconst, vload, vstore,
+    V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, i32, load_as,
+    V16F, V16I, VNNI, WIDE, dot4, psign, pshufb, splat, transpose, vconst, vload, vstore,
 )
 
 Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
@@ -26,15 +27,14 @@ Q8_0_BLOCK, Q5_0_BLOCK = 34, 22   # bytes per 32-element GGUF block
 # (2 * 255 * 16 < 32767) and its 4-sums minus the correction are the exact dots: no sign
 # instructions, which on Zen 3 share ports with the conversions and the FMAs (1.9 against 2.3 cycles
 # per (row, row, block)). d_w * d_x for the tile is computed once per call, 8 blocks per multiply.
-# With AVX-512 (32 registers) the tile runs on 512-bit registers, two activation rows per register
-# (_q5_0_panel_kernel_512), and Q8_0 takes the panel too: the same per-lane float recipe (llama.cpp's
-# vec_dot and tinyBLAS_Q0_AVX for both), its values as they are: the 512-bit kernel's vpdpbusd sums
-# the byte products in int32 exactly. On 256-bit registers Q8_0 keeps the x8 kernel: without VNNI
-# the panel's vpmaddubsw would saturate on its values (up to 128 in magnitude, against x + 128), and
-# with AVX-VNNI alone the panel was not measured for it.
+# With AVX-512 the panel's tile puts 16 activation rows in the lanes instead (_q0_tile16_kernel), and
+# Q8_0 takes the panel too: the same per-lane float recipe (llama.cpp's vec_dot and tinyBLAS_Q0_AVX
+# for both), its values as they are: vpdpbusd sums the byte products in int32 exactly. On 256-bit
+# registers Q8_0 keeps the x8 kernel: without VNNI the panel's vpmaddubsw would saturate on its values
+# (up to 128 in magnitude, against x + 128), and with AVX-VNNI alone the panel was not measured for it.
 PANEL = 16
-# the tile: NR weight rows x MR activation rows of accumulators, as many as the registers hold
-PANEL_NR, PANEL_MR = (4, 8) if WIDE else (2, 3)
+# the 256-bit tile: NR weight rows x MR activation rows of accumulators, as many as 16 registers hold
+PANEL_NR, PANEL_MR = 2, 3
 
 
 def _q5_0_panel_kernel(NR: int, MR: int):
@@ -101,80 +101,66 @@ def _q5_0_panel_kernel(NR: int, MR: int):
     return intrinsic(kern)
 
 
-def _q5_0_panel_kernel_512(NR: int, MR: int):
-    """kern(wp2, cp2, j0, xb2, D2, g, out, n0, m0, m_valid): the panel kernel on 512-bit registers,
-    two activation rows per register with their lanes interleaved: lane 2k + h is row 2p + h's
-    float lane k. Each output still gets fma(d_w*d_x, float(4-sum), acc) per lane and block, in
-    block order, and hsum_float_8's tree: the bits of the 256-bit kernel with 3 instructions per
-    block and pair of outputs (vpdpbusd, vcvtdq2ps, vfmadd) where it takes 6. The operands come
-    prepared for the interleaved lanes (_pair_panel, _bias_pairs): wp2 (P, nb, 64) int8 and cp2
-    (P, nb, 16) int32 with every dword twice; xb2 (G, nb, MR/2, 64) uint8, two rows' dwords
-    alternating, dx2 (G, MR/2, nbp, 2) their scales, dw2 (P, 2 nbp) the weights' scales twice; D2
-    (NR, MR/2, nbp, 2) float32 scratch for the products d_w * d_x."""
-    assert MR % 2 == 0
-    MP = MR // 2
+# The 512-bit tile: 16 activation rows in the lanes (biased x + 128, rows16.regroup_biased). One
+# vpdpbusd takes a weight dword, broadcast, against the same dword of the 16 rows, starting from that
+# dword's correction -128 * (its 4-group sum), broadcast too: each lane is then llama.cpp's exact
+# integer for one (activation row, weight row, block, float lane k). Every output keeps its 8 float
+# lanes as 8 registers of 16 rows, fma(d_w * d_x, float(that integer), acc) block by block, and
+# hsum_float_8's tree becomes 7 vertical adds. Per product step that is vpdpbusd, vcvtdq2ps and
+# vfmadd with both broadcasts folded into loads; a tile with two rows per register (lanes 2k + h)
+# also needed a copy of the correction register per step and a 64-bit broadcast of the scale pair,
+# which took the vector pipes the products need (README: measured).
+TILE16_NW = 2                   # weight rows per tile: 8 accumulators each, with the scales in registers
 
-    def kern(typingctx, wp2, cp2, dw2, j0, xb2, dx2, g, D2, out, n0, m0, m_valid):
-        sig = types.void(wp2, cp2, dw2, j0, xb2, dx2, g, D2, out, n0, m0, m_valid)
+
+def _q0_tile16_kernel(NW: int):
+    """kern(wp, cp, dwp, j0, xg, dx16, g, out): out[j0 + j, l] = the output of panel row j0 + j (j < NW)
+    and activation row 16g + l, for the 16 lanes l (out: (PANEL, 16) float32, rows16.store_block
+    writes it to the product). wp (P, nb, 32) int8 values, cp (P, nb, 8) int32 corrections (the
+    dot's starting value) and dwp (P, nbp) float32 scales of the panel (_x8_panel_unpacker); xg
+    (G, K4, 16, 4) uint8 x + 128 (rows16.regroup_biased), dx16 (G, nb, 16) float32 their scales
+    (rows16.lanes)."""
+
+    def kern(typingctx, wp, cp, dwp, j0, xg, dx16, g, out):
+        sig = types.void(wp, cp, dwp, j0, xg, dx16, g, out)
 
         def codegen(context, builder, signature, args):
-            wa, ca, dwa, _, xa, dxa, _, Da, oa = (array(context, builder, signature.args[k], args[k])
-                                                  if k not in (3, 6) else None for k in range(9))
-            j0v, gv, n0v, m0v, m_valid = args[3], args[6], args[9], args[10], args[11]
+            wa, ca, da, _, xa, dxa, _, oa = (array(context, builder, signature.args[k], args[k])
+                                             if k not in (3, 6) else None for k in range(8))
+            j0v, gv = args[3], args[6]
             nb = builder.extract_value(wa.shape, 1)
-            nbp = builder.extract_value(Da.shape, 2)
-            N = builder.extract_value(oa.shape, 1)
-            # D2[j, p, b, h] = d_w[j0+j, b] * d_x[2p+h, b], 16 at a time (nbp is a multiple of 8)
-            dw_rows = [builder.gep(dwa.data, [builder.mul(builder.add(j0v, c64(j)), builder.mul(nbp, c64(2)))]) for j in range(NR)]
-            dx_rows = [builder.gep(dxa.data, [builder.mul(builder.add(builder.mul(gv, c64(MP)), c64(p)), builder.mul(nbp, c64(2)))])
-                       for p in range(MP)]
-            with cgutils.for_range_slice(builder, c64(0), builder.mul(nbp, c64(2)), c64(16)) as (e, _):
-                dxv = [vload(builder, builder.gep(r, [e]), V16F) for r in dx_rows]
-                for j in range(NR):
-                    dwv = vload(builder, builder.gep(dw_rows[j], [e]), V16F)
-                    for p in range(MP):
-                        dst = builder.gep(Da.data, [builder.add(builder.mul(c64(j * MP + p), builder.mul(nbp, c64(2))), e)])
-                        vstore(builder, builder.fmul(dwv, dxv[p]), dst)
-            row_w = builder.mul(nb, c64(64))
-            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(j0v, c64(j)), row_w)]) for j in range(NR)]
-            crow = [builder.gep(byte_ptr(builder, ca.data), [builder.mul(builder.add(j0v, c64(j)), row_w)]) for j in range(NR)]
-            drow = [[builder.gep(byte_ptr(builder, Da.data), [builder.mul(c64(j * MP + p), builder.mul(nbp, c64(8)))])
-                     for p in range(MP)] for j in range(NR)]
-            xg = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(nb, c64(MP * 64)))])
+            nbp = builder.extract_value(da.shape, 1)
+            rows = [builder.add(j0v, c64(j)) for j in range(NW)]
+            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(r, builder.mul(nb, c64(32)))]) for r in rows]
+            crow = [builder.gep(ca.data, [builder.mul(r, builder.mul(nb, c64(8)))]) for r in rows]
+            drow = [builder.gep(da.data, [builder.mul(r, nbp)]) for r in rows]
+            xgroup = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(builder.extract_value(xa.shape, 1), c64(64)))])
+            dxgroup = builder.gep(dxa.data, [builder.mul(gv, builder.mul(nb, c64(16)))])
             zero = ir.Constant(V16F, [0.0] * 16)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(NR)] for _ in range(MP)]
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(8)] for _ in range(NW)]
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
-                off = builder.mul(b, c64(64))
-                ws = [builder.bitcast(vload(builder, builder.gep(wrow[j], [off]), V64B), V16I) for j in range(NR)]
-                xs = [builder.bitcast(vload(builder, builder.gep(xg, [builder.add(builder.mul(b, c64(MP * 64)), c64(64 * p))]), V64B), V16I)
-                      for p in range(MP)]
-                for j in range(NR):
-                    c = vload(builder, builder.gep(crow[j], [off]), V16I)
-                    for p in range(MP):
-                        isum = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [c, xs[p], ws[j]])
-                        d = load_as(builder, drow[j][p], i64, builder.mul(b, c64(8)))     # [d(2p), d(2p+1)]
-                        scale = builder.bitcast(splat(builder, d, ir.VectorType(i64, 8)), V16F)
-                        acc = accs[p][j]
-                        builder.store(call(builder, "llvm.fma.v16f32", V16F,
-                                           [scale, builder.sitofp(isum, V16F), builder.load(acc)]), acc)
-            # hsum_float_8 of both rows at once: lane k + lane k+4, then + lane k+2, then + lane k+1
-            # (its tree: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))); row 2p+h's sum lands in lane h
-            for p in range(MP):
-                for j in range(NR):
-                    t = hsum8_pairs(builder, builder.load(accs[p][j]), interleaved=True)
-                    for h in range(2):
-                        i = 2 * p + h
-                        with builder.if_then(builder.icmp_signed("<", c64(i), m_valid)):
-                            row = builder.add(m0v, c64(i))
-                            col = builder.add(n0v, builder.add(j0v, c64(j)))
-                            idx = builder.add(builder.mul(row, N), col)
-                            builder.store(builder.extract_element(t, c32(h)), builder.gep(oa.data, [idx]))
+                dx = vload(builder, builder.gep(dxgroup, [builder.mul(b, c64(16))]), V16F)
+                scale = [builder.fmul(splat(builder, builder.load(builder.gep(drow[j], [b])), V16F), dx) for j in range(NW)]
+                for k in range(8):
+                    d = builder.add(builder.mul(b, c64(8)), c64(k))                  # the dword's index in a row
+                    x = vload(builder, builder.gep(xgroup, [builder.mul(d, c64(64))]), V16I)
+                    for j in range(NW):
+                        c = splat(builder, builder.load(builder.gep(crow[j], [d])), V16I)
+                        w = splat(builder, load_as(builder, wrow[j], i32, builder.mul(d, c64(4))), V16I)
+                        isum = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [c, x, w])
+                        acc = accs[j][k]
+                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [scale[j], builder.sitofp(isum, V16F), builder.load(acc)]), acc)
+            for j in range(NW):                     # hsum_float_8: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))
+                a = [builder.load(accs[j][k]) for k in range(8)]
+                pair = lambda u, v: builder.fadd(a[u], a[v])                                   # noqa: E731
+                total = builder.fadd(builder.fadd(pair(0, 4), pair(2, 6)), builder.fadd(pair(1, 5), pair(3, 7)))
+                vstore(builder, total, builder.bitcast(builder.gep(oa.data, [builder.mul(rows[j], c64(16))]), V16F.as_pointer()))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    kern.__name__ = f"q5_0_panel512_{NR}x{MR}"
+    kern.__name__ = f"q0_tile16_{NW}"
     return intrinsic(kern)
 
 
@@ -182,40 +168,6 @@ def _q5_0_panel_kernel_512(NR: int, MR: int):
 def has_panel(ggml_type):
     """Does this type's prompt take the panel kernel (Q5_0 and, with 512-bit registers, Q8_0)?"""
     return ggml_type == T.Q5_0 or (WIDE and ggml_type == T.Q8_0)
-
-
-@njit(cache=True, error_model="numpy")
-def _pair_panel(wp, cp, dwp, wp2, cp2, dw2):
-    """The panel with every dword (and scale) twice, for the interleaved lanes of the 512-bit kernel:
-    wp2[r, b, 8k+h*4 ..] = wp[r, b, 4k ..] (h = 0, 1), cp2[r, b, 2k+h] = cp[r, b, k],
-    dw2[r, 2b+h] = dwp[r, b]."""
-    wv = wp.view(np.int32)
-    wv2 = wp2.view(np.int32)
-    for r in range(wp.shape[0]):
-        for b in range(wp.shape[1]):
-            for k in range(8):
-                wv2[r, b, 2 * k] = wv2[r, b, 2 * k + 1] = wv[r, b, k]
-                cp2[r, b, 2 * k] = cp2[r, b, 2 * k + 1] = cp[r, b, k]
-        for b in range(dwp.shape[1]):
-            dw2[r, 2 * b] = dw2[r, 2 * b + 1] = dwp[r, b]
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _bias_pairs(xq, dx, MR, xb2, dx2):
-    """q8_0 rows -> groups of MR rows for the 512-bit panel kernel: xb2 (G, nb, MR/2, 64) uint8 = x + 128,
-    rows 2p and 2p+1's dwords alternating (zero rows pad the last group); dx2 (G, MR/2, nbp, 2) their
-    scales, the two rows' alternating (zero padding)."""
-    M, K = xq.shape
-    nb = K // 32
-    for g in prange(xb2.shape[0]):
-        for i in range(MR):
-            m = g * MR + i
-            p, h = i // 2, i % 2
-            for b in range(nb):
-                for e in range(32):
-                    xb2[g, b, p, (e // 4) * 8 + h * 4 + e % 4] = np.uint8(np.int32(xq[m, b * 32 + e]) + 128) if m < M else np.uint8(128)
-            for b in range(dx2.shape[2]):
-                dx2[g, p, b, h] = dx[m, b] if (m < M and b < nb) else np.float32(0.0)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -256,31 +208,27 @@ def _panel_prompt_256(ggml_type, wx8, xb, dxb, M, out):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _panel_prompt_512(ggml_type, wx8, xb2, dx2, M, out):
-    """_panel_prompt_256 for the 512-bit tile: activation pairs from _bias_pairs, each panel unpacked
-    and then its dwords doubled (_pair_panel). Q5_0 or Q8_0 weights."""
+def _panel_prompt_512(ggml_type, wx8, xg, dx16, M, out):
+    """Q5_0 or Q8_0 (x8 layout) x activation rows 16 to a register (_groups_512) -> out (M, N);
+    prange over panels of PANEL rows, each unpacked once and used by every group of 16 rows."""
     n_groups = wx8.shape[0]
-    nb = xb2.shape[1]
-    nbp = dx2.shape[2]
+    nb = dx16.shape[1]
     per_panel = PANEL // 8
     for p in prange((n_groups + per_panel - 1) // per_panel):
-        wp = np.zeros((PANEL, nb, 32), np.int8)
-        cp = np.zeros((PANEL, nb, 8), np.int32)
-        dwp = np.zeros((PANEL, nbp), np.float32)
-        wp2 = np.empty((PANEL, nb, 64), np.int8)
-        cp2 = np.empty((PANEL, nb, 16), np.int32)
-        dw2 = np.empty((PANEL, 2 * nbp), np.float32)
-        D2 = np.empty((PANEL_NR, PANEL_MR // 2, nbp, 2), np.float32)
+        wp = np.empty((PANEL, nb, 32), np.int8)
+        cp = np.empty((PANEL, nb, 8), np.int32)
+        dwp = np.empty((PANEL, nb), np.float32)
         g0 = p * per_panel
         ng = min(per_panel, n_groups - g0)
         if ggml_type == T.Q8_0:
             _unpack_q8_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
         else:
             _unpack_q5_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
-        _pair_panel(wp, cp, dwp, wp2, cp2, dw2)
-        for g in range(xb2.shape[0]):
-            for j0 in range(0, ng * 8, PANEL_NR):
-                q5_0_panel_512(wp2, cp2, dw2, j0, xb2, dx2, g, D2, out, g0 * 8, g * PANEL_MR, M - g * PANEL_MR)
+        block = np.empty((PANEL, 16), np.float32)
+        for g in range(xg.shape[0]):
+            for j0 in range(0, ng * 8, TILE16_NW):
+                q0_tile16(wp, cp, dwp, j0, xg, dx16, g, block)
+            rows16.store_block(block, ng * 8, out, 16 * g, g0 * 8, M)
 
 
 @njit(cache=True, error_model="numpy")
@@ -295,19 +243,14 @@ def _groups_256(xq, dx):
 
 @njit(cache=True, error_model="numpy")
 def _groups_512(xq, dx):
-    M, K = xq.shape
-    nbp = -(-(K // 32) // NB_PAD) * NB_PAD
-    xb2 = np.empty((-(-M // PANEL_MR), K // 32, PANEL_MR // 2, 64), np.uint8)
-    dx2 = np.empty((xb2.shape[0], PANEL_MR // 2, nbp, 2), np.float32)
-    _bias_pairs(xq, dx, PANEL_MR, xb2, dx2)
-    return xb2, dx2
+    return rows16.regroup_biased(xq), rows16.lanes(dx)
 
 
 # The panel kernel for this ISA: panel_operands(xq, dx) (q8_0 rows) -> the activation operands,
 # panel_prompt(ggml_type, wx8, *operands, M, out) for the types has_panel takes. The 512-bit one is
 # compiled only where it runs.
 if WIDE:
-    q5_0_panel_512 = _q5_0_panel_kernel_512(PANEL_NR, PANEL_MR)
+    q0_tile16 = _q0_tile16_kernel(TILE16_NW)
     panel_prompt, panel_operands = _panel_prompt_512, _groups_512
 else:
     q5_0_panel_256 = _q5_0_panel_kernel(PANEL_NR, PANEL_MR)

@@ -1,6 +1,7 @@
 """Activation rows 16 to a 512-bit register, for the prompt kernels that put the rows in the lanes
-(q4_k, q6_k on AVX-512): one weight dword broadcast against the same dword of 16 rows is one
-vpdpbusd / vpdpwssd for 16 outputs, with no shuffles in the loop."""
+(on AVX-512: q4_k, the tiled16 K-quants, q0's Q5_0 and Q8_0 panel): one weight dword broadcast
+against the same dword of 16 rows is one vpdpbusd / vpdpwssd for 16 outputs, with no shuffles in
+the loop."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import V16I, V32B, V64B, array, byte_ptr, c32, c64, i32, vload
+from kernels.cpu.simd import V16F, V16I, V32B, V64B, array, byte_ptr, c32, c64, i32, transpose, vload
 
 V32S = ir.VectorType(ir.IntType(16), 32)
 
@@ -30,10 +31,40 @@ def store_lanes(builder, vec, out_ptr, N, M, group, col):
             builder.store(builder.extract_element(vec, c32(lane)), builder.gep(out_ptr, [builder.add(builder.mul(row, N), col)]))
 
 
-def _regroup_kernel(widen: bool):
+@intrinsic
+def store_block(typingctx, block, n, out, row0, col0, M):
+    """out[row0 + l, col0 + c] = block[c, l] for c < n (8 or 16) and the lanes l whose row is below M:
+    a (16, 16) float32 block of 16-lane results, one per output column, written as rows of out
+    (each a whole run of n floats, not 16 scattered ones) after one transpose in registers."""
+    sig = types.void(block, n, out, row0, col0, M)
+
+    def codegen(context, builder, signature, args):
+        ba, _, oa = (array(context, builder, signature.args[k], args[k]) if k != 1 else None for k in range(3))
+        nv, row0v, col0v, Mv = args[1], args[3], args[4], args[5]
+        N = builder.extract_value(oa.shape, 1)
+        rows = transpose(builder, [vload(builder, builder.gep(ba.data, [c64(16 * c)]), V16F) for c in range(16)])
+        V8F = ir.VectorType(ir.FloatType(), 8)
+        for lane in range(16):
+            row = builder.add(row0v, c64(lane))
+            with builder.if_then(builder.icmp_signed("<", row, Mv)):
+                at = builder.gep(oa.data, [builder.add(builder.mul(row, N), col0v)])
+                with builder.if_else(builder.icmp_signed("==", nv, c64(16))) as (whole, half):
+                    with whole:
+                        builder.store(rows[lane], builder.bitcast(at, V16F.as_pointer()), align=4)
+                    with half:
+                        low = builder.shuffle_vector(rows[lane], rows[lane], ir.Constant(ir.VectorType(i32, 8), list(range(8))))
+                        builder.store(low, builder.bitcast(at, V8F.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _regroup_kernel(widen: bool, biased: bool = False):
     """kern(xq, g, xg): rows 16g .. 16g+15 of xq (M, K) int8 (those below M) into xg[g]. widen: int16
     pairs, (K/2, 16, 2) (each row's 32-byte chunk sign-extended, its 16 pairs stored 64 bytes apart);
-    else the bytes, (K/4, 16, 4). A 1 KB block of xg at a time, so its lines stay in L1."""
+    else the bytes, (K4, 16, 4) with K4 >= K/4 dwords, as x + 128 when biased (the unsigned operand of
+    vpdpbusd). A 1 KB block of xg at a time, so its lines stay in L1; a last 32 bytes of a row
+    (K % 64 == 32, bytes only) fill half a block."""
     unit = 2 if widen else 4                       # elements per dword
 
     def kern(typingctx, xq, g, xg):
@@ -44,11 +75,12 @@ def _regroup_kernel(widen: bool):
             gv = args[1]
             M = builder.extract_value(xa.shape, 0)
             K = builder.extract_value(xa.shape, 1)
-            base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(K, c64(64 // unit)))])
+            base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(builder.extract_value(ya.shape, 1), c64(64)))])
             n = builder.sub(M, builder.mul(gv, c64(16)))
             n = builder.select(builder.icmp_signed("<", n, c64(16)), n, c64(16))
             step = 16 * unit                           # elements per block of 16 dwords
             with cgutils.for_range_slice(builder, c64(0), K, c64(step)) as (k, _):
+                full = builder.icmp_signed("<=", builder.add(k, c64(step)), K)
                 with cgutils.for_range(builder, n) as rl:
                     r = rl.index
                     src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(16)), r), K)])
@@ -56,7 +88,20 @@ def _regroup_kernel(widen: bool):
                     if widen:
                         v = builder.bitcast(builder.sext(vload(builder, builder.gep(src, [k]), V32B), V32S), V16I)
                     else:
-                        v = builder.bitcast(vload(builder, builder.gep(src, [k]), V64B), V16I)
+                        with builder.if_else(full) as (whole, half):
+                            with whole:
+                                v64 = vload(builder, builder.gep(src, [k]), V64B)
+                                at_whole = builder.block
+                            with half:                     # the row's last 32 bytes, the rest zero
+                                v32 = vload(builder, builder.gep(src, [k]), V32B)
+                                v32 = builder.shuffle_vector(v32, ir.Constant(V32B, [0] * 32), ir.Constant(ir.VectorType(i32, 64), list(range(64))))
+                                at_half = builder.block
+                        v = builder.phi(V64B)
+                        v.add_incoming(v64, at_whole)
+                        v.add_incoming(v32, at_half)
+                        if biased:
+                            v = builder.xor(v, ir.Constant(V64B, [0x80] * 64))
+                        v = builder.bitcast(v, V16I)
                     for e in range(16):                    # dword k/unit + e -> 64 (k/unit + e) + 4r
                         at = builder.mul(builder.add(builder.sdiv(k, c64(unit)), c64(e)), c64(64))
                         builder.store(builder.extract_element(v, c32(e)),
@@ -65,11 +110,11 @@ def _regroup_kernel(widen: bool):
 
         return sig, codegen
 
-    kern.__name__ = f"regroup16_{'pairs' if widen else 'bytes'}"
+    kern.__name__ = f"regroup16_{'pairs' if widen else 'bytes'}{'_biased' if biased else ''}"
     return intrinsic(kern)
 
 
-_regroup_pairs, _regroup_bytes = _regroup_kernel(True), _regroup_kernel(False)
+_regroup_pairs, _regroup_bytes, _regroup_biased = _regroup_kernel(True), _regroup_kernel(False), _regroup_kernel(False, True)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -95,6 +140,20 @@ def regroup_bytes(xq):
         if M - 16 * g < 16:
             xg[g] = 0
         _regroup_bytes(xq, g, xg)
+    return xg
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def regroup_biased(xq):
+    """q8_0 rows (M, K), K % 32 == 0 -> (G, K4, 16, 4) uint8 x + 128: rows 16g .. 16g+15 in the
+    lanes, K4 = K/4 rounded up to whole 16-dword blocks (the padding, and rows past M, 128: zero)."""
+    M, K = xq.shape
+    G = -(-M // 16)
+    xg = np.empty((G, -(-K // 64) * 16, 16, 4), np.uint8)
+    for g in prange(G):
+        if M - 16 * g < 16 or K % 64:
+            xg[g] = 128
+        _regroup_biased(xq, g, xg)
     return xg
 
 
