@@ -116,9 +116,9 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 53])
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
-    or passes of up to 8 rows: 9, 16, 37 take several) and the panel kernel (Q5_0, and Q8_0 with
-    512-bit registers: from 48 rows, or 32 with 512-bit registers, whose groups of 16 leave a ragged
-    last one at 37 and 53),
+    or passes of up to 8 rows: 9, 16, 37 take several) and the panel kernel (Q5_0, and Q8_0, Q4_0
+    and IQ4_NL with 512-bit registers: from 48 rows, or 32 with 512-bit registers, whose groups of
+    16 leave a ragged last one at 37 and 53),
     Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
     layouts' padding."""
     # the panel kernel is covered: by 53 (ragged last tiles of 3 rows, or of a group of 16), and with
@@ -139,7 +139,7 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, True)]))
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q8_0], ids=_name)
+@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q8_0, T.Q4_0, T.IQ4_NL], ids=_name)
 def test_panel_rows_that_end_in_half_a_register(ggml_type):
     """Rows of 160 (K % 64 == 32): the 512-bit panel's activations, 16 dwords of 16 rows per register
     step, end in half a step (rows16.regroup_biased fills it); still bit for bit the model."""
@@ -154,7 +154,7 @@ def test_panel_rows_that_end_in_half_a_register(ggml_type):
 def test_the_wide_prompt_kernels_are_the_ones_tested():
     """With 512-bit registers a prompt's Q6_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
     (kernels/cpu/qdot/tiled16.py, from 16 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
-    rows keep the gemv arithmetic) and Q5_0's and Q8_0's through the 512-bit panel: the exactness tests above
+    rows keep the gemv arithmetic) and Q5_0's, Q8_0's, Q4_0's and IQ4_NL's through the 512-bit panel: the exactness tests above
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
     each variant). The K-quants' 16-row kernels are AMX tile kernels under avx512amx."""
@@ -175,7 +175,8 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))
     assert not tiled16.wide(T.Q5_K, 40, *one_run(53)) and not tiled16.wide(T.Q4_K, 40, *one_run(53))
     assert (qdot.panel_prompt.py_func.__name__ == "_panel_prompt_512") == wide
-    assert qdot.has_panel(T.Q5_0) and qdot.has_panel(T.Q8_0) == wide and not qdot.has_panel(T.Q4_0)
+    assert qdot.has_panel(T.Q5_0) and all(qdot.has_panel(t) == wide for t in (T.Q8_0, T.Q4_0, T.IQ4_NL))
+    assert not any(qdot.has_panel(t) for t in (T.Q4_1, T.Q5_1))
     # with AMX tiles (the avx512amx variant) the same rows go through kernels/cpu/qdot/amx.py instead
     assert qdot.AMX == (isa.variant() == "avx512amx")
     assert (qdot.q4_k_prompt.py_func.__module__ == "kernels.cpu.qdot.amx") == qdot.AMX

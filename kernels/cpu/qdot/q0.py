@@ -164,10 +164,63 @@ def _q0_tile16_kernel(NW: int):
     return intrinsic(kern)
 
 
+# Q4_0 and IQ4_NL (llama.cpp's repacked gemm: one fma per block, on the block's whole integer dot)
+# take the same panel with a tile of their own: per weight row and block one int32 register of 16
+# rows carries the block's 8 vpdpbusd from the block's correction, then one vcvtdq2ps and vfmadd.
+# The float work is an eighth of Q5_0's, so 8 weight rows per tile keep 8 dot chains in flight.
+BLOCK16_NW = 8
+
+
+def _q0_block16_kernel(NW: int):
+    """kern(wp, cb, dwp, j0, xg, dx16, g, out): _q0_tile16_kernel's tile for the per-block recipe:
+    out[j0 + j, l] = sum over blocks b of fma(float(dot), d_w * d_x, acc), dot the block's exact
+    integer, started from cb (P, nb) int32, the block's correction (-128 * the sum of its weights)."""
+
+    def kern(typingctx, wp, cb, dwp, j0, xg, dx16, g, out):
+        sig = types.void(wp, cb, dwp, j0, xg, dx16, g, out)
+
+        def codegen(context, builder, signature, args):
+            wa, ca, da, _, xa, dxa, _, oa = (array(context, builder, signature.args[k], args[k])
+                                             if k not in (3, 6) else None for k in range(8))
+            j0v, gv = args[3], args[6]
+            nb = builder.extract_value(wa.shape, 1)
+            nbp = builder.extract_value(da.shape, 1)
+            rows = [builder.add(j0v, c64(j)) for j in range(NW)]
+            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(r, builder.mul(nb, c64(32)))]) for r in rows]
+            crow = [builder.gep(ca.data, [builder.mul(r, nb)]) for r in rows]
+            drow = [builder.gep(da.data, [builder.mul(r, nbp)]) for r in rows]
+            xgroup = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(builder.extract_value(xa.shape, 1), c64(64)))])
+            dxgroup = builder.gep(dxa.data, [builder.mul(gv, builder.mul(nb, c64(16)))])
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(NW)]
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                dots = [splat(builder, builder.load(builder.gep(crow[j], [b])), V16I) for j in range(NW)]
+                for k in range(8):
+                    d = builder.add(builder.mul(b, c64(8)), c64(k))                  # the dword's index in a row
+                    x = vload(builder, builder.gep(xgroup, [builder.mul(d, c64(64))]), V16I)
+                    for j in range(NW):
+                        w = splat(builder, load_as(builder, wrow[j], i32, builder.mul(d, c64(4))), V16I)
+                        dots[j] = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [dots[j], x, w])
+                dx = vload(builder, builder.gep(dxgroup, [builder.mul(b, c64(16))]), V16F)
+                for j in range(NW):
+                    scale = builder.fmul(splat(builder, builder.load(builder.gep(drow[j], [b])), V16F), dx)
+                    builder.store(call(builder, "llvm.fma.v16f32", V16F, [builder.sitofp(dots[j], V16F), scale,
+                                                                          builder.load(accs[j])]), accs[j])
+            for j in range(NW):
+                vstore(builder, builder.load(accs[j]), builder.bitcast(builder.gep(oa.data, [builder.mul(rows[j], c64(16))]), V16F.as_pointer()))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"q0_block16_{NW}"
+    return intrinsic(kern)
+
+
 @njit(inline="always")
 def has_panel(ggml_type):
-    """Does this type's prompt take the panel kernel (Q5_0 and, with 512-bit registers, Q8_0)?"""
-    return ggml_type == T.Q5_0 or (WIDE and ggml_type == T.Q8_0)
+    """Does this type's prompt take the panel kernel (Q5_0 and, with 512-bit registers, Q8_0, Q4_0
+    and IQ4_NL)?"""
+    return ggml_type == T.Q5_0 or (WIDE and (ggml_type == T.Q8_0 or ggml_type == T.Q4_0 or ggml_type == T.IQ4_NL))
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -209,25 +262,33 @@ def _panel_prompt_256(ggml_type, wx8, xb, dxb, M, out):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _panel_prompt_512(ggml_type, wx8, xg, dx16, M, out):
-    """Q5_0 or Q8_0 (x8 layout) x activation rows 16 to a register (_groups_512) -> out (M, N);
-    prange over panels of PANEL rows, each unpacked once and used by every group of 16 rows."""
+    """Q5_0, Q8_0, Q4_0 or IQ4_NL (x8 layout) x activation rows 16 to a register (_groups_512) ->
+    out (M, N); prange over panels of PANEL rows, each unpacked once and used by every group of 16
+    rows: the per-lane tile, or for Q4_0 and IQ4_NL the per-block one."""
     n_groups = wx8.shape[0]
     nb = dx16.shape[1]
     per_panel = PANEL // 8
+    per_block = ggml_type == T.Q4_0 or ggml_type == T.IQ4_NL
     for p in prange((n_groups + per_panel - 1) // per_panel):
         wp = np.empty((PANEL, nb, 32), np.int8)
         cp = np.empty((PANEL, nb, 8), np.int32)
         dwp = np.empty((PANEL, nb), np.float32)
         g0 = p * per_panel
         ng = min(per_panel, n_groups - g0)
-        if ggml_type == T.Q8_0:
-            _unpack_q8_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
-        else:
-            _unpack_q5_0_x8_panel(wx8, g0, ng, wp, cp, dwp)
+        _unpack_x8_panel(ggml_type, wx8, g0, ng, wp, cp, dwp)
+        cb = np.empty((PANEL, nb), np.int32)
+        if per_block:                                   # each block's correction: its 8 groups' summed
+            for r in range(ng * 8):
+                for b in range(nb):
+                    cb[r, b] = cp[r, b].sum()
         block = np.empty((PANEL, 16), np.float32)
         for g in range(xg.shape[0]):
-            for j0 in range(0, ng * 8, TILE16_NW):
-                q0_tile16(wp, cp, dwp, j0, xg, dx16, g, block)
+            if per_block:
+                for j0 in range(0, ng * 8, BLOCK16_NW):
+                    q0_block16(wp, cb, dwp, j0, xg, dx16, g, block)
+            else:
+                for j0 in range(0, ng * 8, TILE16_NW):
+                    q0_tile16(wp, cp, dwp, j0, xg, dx16, g, block)
             rows16.store_block(block, ng * 8, out, 16 * g, g0 * 8, M)
 
 
@@ -250,7 +311,7 @@ def _groups_512(xq, dx):
 # panel_prompt(ggml_type, wx8, *operands, M, out) for the types has_panel takes. The 512-bit one is
 # compiled only where it runs.
 if WIDE:
-    q0_tile16 = _q0_tile16_kernel(TILE16_NW)
+    q0_tile16, q0_block16 = _q0_tile16_kernel(TILE16_NW), _q0_block16_kernel(BLOCK16_NW)
     panel_prompt, panel_operands = _panel_prompt_512, _groups_512
 else:
     q5_0_panel_256 = _q5_0_panel_kernel(PANEL_NR, PANEL_MR)
@@ -585,11 +646,12 @@ def _q0_x8_rows(ggml_type, wx8, xq, dx, sx, s1, out):
 
 
 def _x8_panel_unpacker(ggml_type: int):
-    """unpack(wx8, g0, n_groups, wp, cp, dwp): groups g0 .. g0+n_groups-1 of a Q5_0 or Q8_0 x8 matrix
-    -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32) int8 values (Q5_0's q - 16), cp (P, nb, 8)
+    """unpack(wx8, g0, n_groups, wp, cp, dwp): groups g0 .. g0+n_groups-1 of an x8 matrix of a
+    has_panel type -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32) int8 values (Q5_0's q - 16,
+    Q4_0's q - 8, IQ4_NL's levels), cp (P, nb, 8)
     int32 = 128 * each 4-group sum (negated with VNNI: the dot's starting value), dwp (P, nbp)
     float32 scales."""
-    offset = 16 if ggml_type == T.Q5_0 else 0
+    offset = {T.Q5_0: 16, T.Q4_0: 8}.get(ggml_type, 0)
 
     def unpack(typingctx, wx8, g0, n_groups, wp, cp, dwp):
         return types.void(wx8, g0, n_groups, wp, cp, dwp), codegen
@@ -629,4 +691,18 @@ def _x8_panel_unpacker(ggml_type: int):
     return intrinsic(unpack)
 
 
-_unpack_q5_0_x8_panel, _unpack_q8_0_x8_panel = _x8_panel_unpacker(T.Q5_0), _x8_panel_unpacker(T.Q8_0)
+_unpack_q5_0_x8_panel, _unpack_q8_0_x8_panel, _unpack_q4_0_x8_panel, _unpack_iq4_nl_x8_panel = (
+    _x8_panel_unpacker(t) for t in (T.Q5_0, T.Q8_0, T.Q4_0, T.IQ4_NL))
+
+
+@njit(inline="always")
+def _unpack_x8_panel(ggml_type, wx8, g0, n_groups, wp, cp, dwp):
+    """The panel unpacker of ggml_type (has_panel's types)."""
+    if ggml_type == T.Q8_0:
+        _unpack_q8_0_x8_panel(wx8, g0, n_groups, wp, cp, dwp)
+    elif ggml_type == T.Q4_0:
+        _unpack_q4_0_x8_panel(wx8, g0, n_groups, wp, cp, dwp)
+    elif ggml_type == T.IQ4_NL:
+        _unpack_iq4_nl_x8_panel(wx8, g0, n_groups, wp, cp, dwp)
+    else:
+        _unpack_q5_0_x8_panel(wx8, g0, n_groups, wp, cp, dwp)
