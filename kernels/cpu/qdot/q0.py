@@ -113,13 +113,21 @@ def _q5_0_panel_kernel(NR: int, MR: int):
 TILE16_NW = 2                   # weight rows per tile: 8 accumulators each, with the scales in registers
 
 
-def _q0_tile16_kernel(NW: int):
+# Q4_0 and IQ4_NL (llama.cpp's repacked gemm: one fma per block, on the block's whole integer dot)
+# take the same panel with a tile of their own: per weight row and block one int32 register of 16
+# rows carries the block's 8 vpdpbusd from the block's correction, then one vcvtdq2ps and vfmadd.
+# The float work is an eighth of Q5_0's, so 8 weight rows per tile keep 8 dot chains in flight.
+BLOCK16_NW = 8
+
+
+def _q0_tile16_kernel(NW: int, per_block: bool):
     """kern(wp, cp, dwp, j0, xg, dx16, g, out): out[j0 + j, l] = the output of panel row j0 + j (j < NW)
     and activation row 16g + l, for the 16 lanes l (out: (PANEL, 16) float32, rows16.store_block
-    writes it to the product). wp (P, nb, 32) int8 values, cp (P, nb, 8) int32 corrections (the
-    dot's starting value) and dwp (P, nbp) float32 scales of the panel (_x8_panel_unpacker); xg
-    (G, K4, 16, 4) uint8 x + 128 (rows16.regroup_biased), dx16 (G, nb, 16) float32 their scales
-    (rows16.lanes)."""
+    writes it to the product). wp (P, nb, 32) int8 values and dwp (P, nbp) float32 scales of the
+    panel (_x8_panel_unpacker); cp its corrections, the dots' starting values: (P, nb, 8) int32 per
+    group, or per_block (P, nb) per block (the per-block recipe: fma(float(the block's dot),
+    d_w * d_x, acc)); xg (G, K4, 16, 4) uint8 x + 128 (rows16.regroup_biased), dx16 (G, nb, 16)
+    float32 their scales (rows16.lanes)."""
 
     def kern(typingctx, wp, cp, dwp, j0, xg, dx16, g, out):
         sig = types.void(wp, cp, dwp, j0, xg, dx16, g, out)
@@ -132,87 +140,45 @@ def _q0_tile16_kernel(NW: int):
             nbp = builder.extract_value(da.shape, 1)
             rows = [builder.add(j0v, c64(j)) for j in range(NW)]
             wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(r, builder.mul(nb, c64(32)))]) for r in rows]
-            crow = [builder.gep(ca.data, [builder.mul(r, builder.mul(nb, c64(8)))]) for r in rows]
+            crow = [builder.gep(ca.data, [builder.mul(r, builder.mul(nb, c64(1 if per_block else 8)))]) for r in rows]
             drow = [builder.gep(da.data, [builder.mul(r, nbp)]) for r in rows]
             xgroup = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(builder.extract_value(xa.shape, 1), c64(64)))])
             dxgroup = builder.gep(dxa.data, [builder.mul(gv, builder.mul(nb, c64(16)))])
             zero = ir.Constant(V16F, [0.0] * 16)
-            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(8)] for _ in range(NW)]
+            accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(1 if per_block else 8)] for _ in range(NW)]
+            fma16 = lambda a, b, acc: builder.store(call(builder, "llvm.fma.v16f32", V16F, [a, b, builder.load(acc)]), acc)  # noqa: E731
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 dx = vload(builder, builder.gep(dxgroup, [builder.mul(b, c64(16))]), V16F)
                 scale = [builder.fmul(splat(builder, builder.load(builder.gep(drow[j], [b])), V16F), dx) for j in range(NW)]
+                dots = [splat(builder, builder.load(builder.gep(crow[j], [b])), V16I) for j in range(NW)] if per_block else None
                 for k in range(8):
                     d = builder.add(builder.mul(b, c64(8)), c64(k))                  # the dword's index in a row
                     x = vload(builder, builder.gep(xgroup, [builder.mul(d, c64(64))]), V16I)
                     for j in range(NW):
-                        c = splat(builder, builder.load(builder.gep(crow[j], [d])), V16I)
                         w = splat(builder, load_as(builder, wrow[j], i32, builder.mul(d, c64(4))), V16I)
-                        isum = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [c, x, w])
-                        acc = accs[j][k]
-                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [scale[j], builder.sitofp(isum, V16F), builder.load(acc)]), acc)
-            for j in range(NW):                     # hsum_float_8: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))
-                a = [builder.load(accs[j][k]) for k in range(8)]
-                pair = lambda u, v: builder.fadd(a[u], a[v])                                   # noqa: E731
-                total = builder.fadd(builder.fadd(pair(0, 4), pair(2, 6)), builder.fadd(pair(1, 5), pair(3, 7)))
+                        if per_block:                                # the block's dot, group after group
+                            dots[j] = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [dots[j], x, w])
+                        else:                                        # float lane k: its group's dot
+                            c = splat(builder, builder.load(builder.gep(crow[j], [d])), V16I)
+                            isum = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [c, x, w])
+                            fma16(scale[j], builder.sitofp(isum, V16F), accs[j][k])
+                if per_block:
+                    for j in range(NW):
+                        fma16(builder.sitofp(dots[j], V16F), scale[j], accs[j][0])
+            for j in range(NW):
+                a = [builder.load(acc) for acc in accs[j]]
+                if per_block:
+                    total = a[0]
+                else:                                   # hsum_float_8: ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))
+                    pair = lambda u, v: builder.fadd(a[u], a[v])                               # noqa: E731
+                    total = builder.fadd(builder.fadd(pair(0, 4), pair(2, 6)), builder.fadd(pair(1, 5), pair(3, 7)))
                 vstore(builder, total, builder.bitcast(builder.gep(oa.data, [builder.mul(rows[j], c64(16))]), V16F.as_pointer()))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    kern.__name__ = f"q0_tile16_{NW}"
-    return intrinsic(kern)
-
-
-# Q4_0 and IQ4_NL (llama.cpp's repacked gemm: one fma per block, on the block's whole integer dot)
-# take the same panel with a tile of their own: per weight row and block one int32 register of 16
-# rows carries the block's 8 vpdpbusd from the block's correction, then one vcvtdq2ps and vfmadd.
-# The float work is an eighth of Q5_0's, so 8 weight rows per tile keep 8 dot chains in flight.
-BLOCK16_NW = 8
-
-
-def _q0_block16_kernel(NW: int):
-    """kern(wp, cb, dwp, j0, xg, dx16, g, out): _q0_tile16_kernel's tile for the per-block recipe:
-    out[j0 + j, l] = sum over blocks b of fma(float(dot), d_w * d_x, acc), dot the block's exact
-    integer, started from cb (P, nb) int32, the block's correction (-128 * the sum of its weights)."""
-
-    def kern(typingctx, wp, cb, dwp, j0, xg, dx16, g, out):
-        sig = types.void(wp, cb, dwp, j0, xg, dx16, g, out)
-
-        def codegen(context, builder, signature, args):
-            wa, ca, da, _, xa, dxa, _, oa = (array(context, builder, signature.args[k], args[k])
-                                             if k not in (3, 6) else None for k in range(8))
-            j0v, gv = args[3], args[6]
-            nb = builder.extract_value(wa.shape, 1)
-            nbp = builder.extract_value(da.shape, 1)
-            rows = [builder.add(j0v, c64(j)) for j in range(NW)]
-            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(r, builder.mul(nb, c64(32)))]) for r in rows]
-            crow = [builder.gep(ca.data, [builder.mul(r, nb)]) for r in rows]
-            drow = [builder.gep(da.data, [builder.mul(r, nbp)]) for r in rows]
-            xgroup = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(builder.extract_value(xa.shape, 1), c64(64)))])
-            dxgroup = builder.gep(dxa.data, [builder.mul(gv, builder.mul(nb, c64(16)))])
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(NW)]
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                dots = [splat(builder, builder.load(builder.gep(crow[j], [b])), V16I) for j in range(NW)]
-                for k in range(8):
-                    d = builder.add(builder.mul(b, c64(8)), c64(k))                  # the dword's index in a row
-                    x = vload(builder, builder.gep(xgroup, [builder.mul(d, c64(64))]), V16I)
-                    for j in range(NW):
-                        w = splat(builder, load_as(builder, wrow[j], i32, builder.mul(d, c64(4))), V16I)
-                        dots[j] = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [dots[j], x, w])
-                dx = vload(builder, builder.gep(dxgroup, [builder.mul(b, c64(16))]), V16F)
-                for j in range(NW):
-                    scale = builder.fmul(splat(builder, builder.load(builder.gep(drow[j], [b])), V16F), dx)
-                    builder.store(call(builder, "llvm.fma.v16f32", V16F, [builder.sitofp(dots[j], V16F), scale,
-                                                                          builder.load(accs[j])]), accs[j])
-            for j in range(NW):
-                vstore(builder, builder.load(accs[j]), builder.bitcast(builder.gep(oa.data, [builder.mul(rows[j], c64(16))]), V16F.as_pointer()))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    kern.__name__ = f"q0_block16_{NW}"
+    kern.__name__ = f"q0_{'block' if per_block else 'tile'}16_{NW}"
     return intrinsic(kern)
 
 
@@ -311,7 +277,7 @@ def _groups_512(xq, dx):
 # panel_prompt(ggml_type, wx8, *operands, M, out) for the types has_panel takes. The 512-bit one is
 # compiled only where it runs.
 if WIDE:
-    q0_tile16, q0_block16 = _q0_tile16_kernel(TILE16_NW), _q0_block16_kernel(BLOCK16_NW)
+    q0_tile16, q0_block16 = _q0_tile16_kernel(TILE16_NW, False), _q0_tile16_kernel(BLOCK16_NW, True)
     panel_prompt, panel_operands = _panel_prompt_512, _groups_512
 else:
     q5_0_panel_256 = _q5_0_panel_kernel(PANEL_NR, PANEL_MR)
