@@ -186,7 +186,7 @@ def _q0_tile16_kernel(NW: int, per_block: bool):
 def has_panel(ggml_type):
     """Does this type's prompt take the panel kernel (Q5_0 and, with 512-bit registers, Q8_0, Q4_0
     and IQ4_NL)?"""
-    return ggml_type == T.Q5_0 or (WIDE and (ggml_type == T.Q8_0 or ggml_type == T.Q4_0 or ggml_type == T.IQ4_NL))
+    return ggml_type == T.Q5_0 or (WIDE and (ggml_type == T.Q8_0 or ggml_type in PER_BLOCK))
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -234,7 +234,7 @@ def _panel_prompt_512(ggml_type, wx8, xg, dx16, M, out):
     n_groups = wx8.shape[0]
     nb = dx16.shape[1]
     per_panel = PANEL // 8
-    per_block = ggml_type == T.Q4_0 or ggml_type == T.IQ4_NL
+    per_block = ggml_type in PER_BLOCK
     for p in prange((n_groups + per_panel - 1) // per_panel):
         wp = np.empty((PANEL, nb, 32), np.int8)
         cp = np.empty((PANEL, nb, 8), np.int32)

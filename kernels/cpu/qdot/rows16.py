@@ -10,7 +10,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels.cpu.simd import V16F, V16I, V32B, V64B, array, byte_ptr, c32, c64, i32, transpose, vload
+from kernels.cpu.simd import V8F, V16F, V16I, V32B, V64B, array, byte_ptr, c32, c64, i32, transpose, vload
 
 V32S = ir.VectorType(ir.IntType(16), 32)
 
@@ -43,7 +43,6 @@ def store_block(typingctx, block, n, out, row0, col0, M):
         nv, row0v, col0v, Mv = args[1], args[3], args[4], args[5]
         N = builder.extract_value(oa.shape, 1)
         rows = transpose(builder, [vload(builder, builder.gep(ba.data, [c64(16 * c)]), V16F) for c in range(16)])
-        V8F = ir.VectorType(ir.FloatType(), 8)
         for lane in range(16):
             row = builder.add(row0v, c64(lane))
             with builder.if_then(builder.icmp_signed("<", row, Mv)):
@@ -146,12 +145,13 @@ def regroup_bytes(xq):
 @njit(parallel=True, cache=True, error_model="numpy")
 def regroup_biased(xq):
     """q8_0 rows (M, K), K % 32 == 0 -> (G, K4, 16, 4) uint8 x + 128: rows 16g .. 16g+15 in the
-    lanes, K4 = K/4 rounded up to whole 16-dword blocks (the padding, and rows past M, 128: zero)."""
+    lanes, K4 = K/4 rounded up to whole 16-dword blocks (the padding, and rows past M, 128: zero;
+    the regroup writes a half block's padding itself)."""
     M, K = xq.shape
     G = -(-M // 16)
     xg = np.empty((G, -(-K // 64) * 16, 16, 4), np.uint8)
     for g in prange(G):
-        if M - 16 * g < 16 or K % 64:
+        if M - 16 * g < 16:
             xg[g] = 128
         _regroup_biased(xq, g, xg)
     return xg
