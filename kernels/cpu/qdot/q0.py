@@ -123,10 +123,10 @@ BLOCK16_NW = 8
 def _q0_tile16_kernel(NW: int, per_block: bool):
     """kern(wp, cp, dwp, j0, xg, dx16, g, out): out[j0 + j, l] = the output of panel row j0 + j (j < NW)
     and activation row 16g + l, for the 16 lanes l (out: (PANEL, 16) float32, rows16.store_block
-    writes it to the product). wp (P, nb, 32) int8 values and dwp (P, nbp) float32 scales of the
-    panel (_x8_panel_unpacker); cp its corrections, the dots' starting values: (P, nb, 8) int32 per
-    group, or per_block (P, nb) per block (the per-block recipe: fma(float(the block's dot),
-    d_w * d_x, acc)); xg (G, K4, 16, 4) uint8 x + 128 (rows16.regroup_biased), dx16 (G, nb, 16)
+    writes it to the product). wp (P, nb, 32) int8 values, cp (P, nb, 8) int32 corrections (the
+    dots' starting values: per group, or per_block the block's in slot 0, for the per-block recipe
+    fma(float(the block's dot), d_w * d_x, acc)) and dwp (P, nbp) float32 scales of the panel
+    (_x8_panel_unpacker); xg (G, K4, 16, 4) uint8 x + 128 (rows16.regroup_biased), dx16 (G, nb, 16)
     float32 their scales (rows16.lanes)."""
 
     def kern(typingctx, wp, cp, dwp, j0, xg, dx16, g, out):
@@ -140,7 +140,7 @@ def _q0_tile16_kernel(NW: int, per_block: bool):
             nbp = builder.extract_value(da.shape, 1)
             rows = [builder.add(j0v, c64(j)) for j in range(NW)]
             wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(r, builder.mul(nb, c64(32)))]) for r in rows]
-            crow = [builder.gep(ca.data, [builder.mul(r, builder.mul(nb, c64(1 if per_block else 8)))]) for r in rows]
+            crow = [builder.gep(ca.data, [builder.mul(r, builder.mul(nb, c64(8)))]) for r in rows]
             drow = [builder.gep(da.data, [builder.mul(r, nbp)]) for r in rows]
             xgroup = builder.gep(byte_ptr(builder, xa.data), [builder.mul(gv, builder.mul(builder.extract_value(xa.shape, 1), c64(64)))])
             dxgroup = builder.gep(dxa.data, [builder.mul(gv, builder.mul(nb, c64(16)))])
@@ -151,7 +151,7 @@ def _q0_tile16_kernel(NW: int, per_block: bool):
                 b = loop.index
                 dx = vload(builder, builder.gep(dxgroup, [builder.mul(b, c64(16))]), V16F)
                 scale = [builder.fmul(splat(builder, builder.load(builder.gep(drow[j], [b])), V16F), dx) for j in range(NW)]
-                dots = [splat(builder, builder.load(builder.gep(crow[j], [b])), V16I) for j in range(NW)] if per_block else None
+                dots = [splat(builder, builder.load(builder.gep(crow[j], [builder.mul(b, c64(8))])), V16I) for j in range(NW)] if per_block else None
                 for k in range(8):
                     d = builder.add(builder.mul(b, c64(8)), c64(k))                  # the dword's index in a row
                     x = vload(builder, builder.gep(xgroup, [builder.mul(d, c64(64))]), V16I)
@@ -242,16 +242,11 @@ def _panel_prompt_512(ggml_type, wx8, xg, dx16, M, out):
         g0 = p * per_panel
         ng = min(per_panel, n_groups - g0)
         _unpack_x8_panel(ggml_type, wx8, g0, ng, wp, cp, dwp)
-        cb = np.empty((PANEL, nb), np.int32)
-        if per_block:                                   # each block's correction: its 8 groups' summed
-            for r in range(ng * 8):
-                for b in range(nb):
-                    cb[r, b] = cp[r, b].sum()
         block = np.empty((PANEL, 16), np.float32)
         for g in range(xg.shape[0]):
             if per_block:
                 for j0 in range(0, ng * 8, BLOCK16_NW):
-                    q0_block16(wp, cb, dwp, j0, xg, dx16, g, block)
+                    q0_block16(wp, cp, dwp, j0, xg, dx16, g, block)
             else:
                 for j0 in range(0, ng * 8, TILE16_NW):
                     q0_tile16(wp, cp, dwp, j0, xg, dx16, g, block)
@@ -614,9 +609,9 @@ def _q0_x8_rows(ggml_type, wx8, xq, dx, sx, s1, out):
 def _x8_panel_unpacker(ggml_type: int):
     """unpack(wx8, g0, n_groups, wp, cp, dwp): groups g0 .. g0+n_groups-1 of an x8 matrix of a
     has_panel type -> panel rows 0 .. 8*n_groups-1: wp (P, nb, 32) int8 values (Q5_0's q - 16,
-    Q4_0's q - 8, IQ4_NL's levels), cp (P, nb, 8)
-    int32 = 128 * each 4-group sum (negated with VNNI: the dot's starting value), dwp (P, nbp)
-    float32 scales."""
+    Q4_0's q - 8, IQ4_NL's levels), cp (P, nb, 8) int32 = 128 * each 4-group sum (negated with VNNI:
+    the dot's starting value; for PER_BLOCK types, whose tile starts the block's one dot from it,
+    their total in slot 0), dwp (P, nbp) float32 scales."""
     offset = {T.Q5_0: 16, T.Q4_0: 8}.get(ggml_type, 0)
 
     def unpack(typingctx, wx8, g0, n_groups, wp, cp, dwp):
@@ -648,7 +643,12 @@ def _x8_panel_unpacker(ggml_type: int):
                     vstore(builder, w, builder.gep(pbase, [off]))
                     sums = dot4(builder, ones8, w)
                     corr = builder.shl(sums, vconst(V8I, 7))
-                    vstore(builder, builder.neg(corr) if VNNI else corr, builder.gep(cbase, [off]))
+                    corr = builder.neg(corr) if VNNI else corr
+                    if ggml_type in PER_BLOCK:
+                        total = call(builder, "llvm.vector.reduce.add.v8i32", i32, [corr])
+                        builder.store(total, builder.bitcast(builder.gep(cbase, [off]), i32.as_pointer()))
+                    else:
+                        vstore(builder, corr, builder.gep(cbase, [off]))
                     builder.store(builder.extract_element(d8, ir.Constant(i32, r)),
                                   builder.gep(da.data, [builder.add(builder.mul(row, nbp), b)]))
         return context.get_dummy_value()
