@@ -11,7 +11,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -156,8 +156,10 @@ class Backend(Described, ABC):
 
 class PagedBackend(Backend):
     """A backend over core.kv_cache's paged cache (the native and torch engines): the sequence
-    bookkeeping they share. A subclass sets `cache` (from its new_cache) and `seq`, its current
-    sequence, in __init__."""
+    bookkeeping they share. A subclass sets `model` (its decoder, whose `cfg` is a
+    models.transformer.DecoderConfig), `cache` (from its new_cache) and `seq`, its current sequence,
+    in __init__."""
+    model: Any
     cache: "PagedKVCache"
     seq: "KVSequence"
     disk: "DiskKV | None" = None
@@ -182,7 +184,8 @@ class PagedBackend(Backend):
             return
         k = self.cache.k
         shape = (len(k),) + tuple(k[0].shape[1:])               # (n_layer, block_size, Hkv, hd)
-        self.disk = DiskKV(BlockFormat(file_sha256(model_path), self.kv_arithmetic(), shape),
+        # (a LongRoPE model's K depends on the factor set its context picked: models.transformer)
+        self.disk = DiskKV(BlockFormat(file_sha256(model_path), self.kv_arithmetic() + self.model.cfg.rope_tag, shape),
                            max_bytes=max_bytes, warn=warn)
 
     def persist(self, seq: "KVSequence | None" = None) -> int:

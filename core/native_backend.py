@@ -75,7 +75,7 @@ class NativeBackend(PagedBackend):
         # chat is faster on one thread than on two (README: measured); prefill keeps every thread.
         self._decode_threads: int | None = None
         self.progress = progress or _stderr_progress
-        self.model = load_model(gguf, self.progress, weights_cache_dir(gguf.path))
+        self.model = load_model(gguf, self.progress, weights_cache_dir(gguf.path), n_ctx)
         cfg = self.model.cfg
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")

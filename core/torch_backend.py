@@ -102,7 +102,7 @@ class TorchBackend(PagedBackend):
         self.capabilities = Capabilities("torch", device=device, kv_map=True, kv_disk=True, speculative=True,
                                          batch=True)
         self.torch_device = torch.device(device)
-        cfg = load_config(gguf)
+        cfg = load_config(gguf, n_ctx)
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")
         self.model = TorchDecoder(cfg, gguf, self.torch_device, progress)

@@ -22,8 +22,9 @@ def rms_norm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: int | None = None,
-             freq_factors=None, freq_scale: float = 1.0) -> np.ndarray:
-    """ggml_rope_ext without YaRN (pair i's angle freq_scale * theta / freq_factors[i]). x (T, H, hd).
+             freq_factors=None, freq_scale: float = 1.0, attn_factor: float = 1.0) -> np.ndarray:
+    """ggml_rope_ext without YaRN (pair i's angle freq_scale * theta / freq_factors[i]; cos and sin
+    times attn_factor). x (T, H, hd).
     Dims >= n_rot pass through.
 
     The angles are ggml's: theta_scale = powf(base, -2/n_rot) and, per position, theta = pos then
@@ -37,7 +38,7 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_r
         ang = np.float32(positions[t])
         for i in range(n_rot // 2):
             turn = np.float64(ang) / (1.0 if freq_factors is None else np.float64(freq_factors[i])) * freq_scale
-            c, s = np.cos(turn), np.sin(turn)
+            c, s = np.cos(turn) * attn_factor, np.sin(turn) * attn_factor
             ang = np.float32(ang * theta_scale)
             a, b = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
             x0, x1 = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)

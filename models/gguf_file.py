@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.types import SUPPORTED as SUPPORTED_TYPES
-from models.architectures import ARCHITECTURES, LONGROPE_TENSORS, ROPE_SCALING_TYPES
+from models.architectures import ARCHITECTURES, LONGROPE_ARCHS, LONGROPE_TENSORS, ROPE_SCALING_TYPES
 from models.errors import BadInputError, env_choice
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -292,7 +292,7 @@ class GGUFFile:
         scaling = self.arch_get("rope.scaling.type") or "none"
         if scaling not in ROPE_SCALING_TYPES:
             return f"rope scaling '{scaling}'"
-        if any(name in self.tensors for name in LONGROPE_TENSORS):
+        if self.arch not in LONGROPE_ARCHS and any(name in self.tensors for name in LONGROPE_TENSORS):
             return "LongRoPE rope scaling"
         bad = sorted({t.type_name for t in self.tensors.values() if t.ggml_type not in SUPPORTED_TYPES})
         if bad:

@@ -195,7 +195,7 @@ class TorchDecoder:
             if progress:
                 progress("loading weights", il + 1, cfg.n_layer)
         self.rope_factors = (torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=device)
-                             if cfg.rope_freq_factors else None)                     # (n_rot/2,) Llama 3
+                             if cfg.rope_freq_factors else None)                     # (n_rot/2,) Llama 3, LongRoPE
         self.output_norm = vector("output_norm.weight")
         self.output = matrix("output.weight") if "output.weight" in g.tensors else self.tok_embd
         biggest = max((m.n_rows * m.n_cols for m in self.matrices() if m.quantized is not None), default=0)
@@ -231,7 +231,8 @@ class TorchDecoder:
         if layer.bq is not None:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         rope_args = (positions, layer.rope_base, cfg.rope_neox, cfg.n_rot)
-        rope_scaling = dict(freq_factors=self.rope_factors, freq_scale=cfg.rope_freq_scale)
+        rope_scaling = dict(freq_factors=self.rope_factors, freq_scale=cfg.rope_freq_scale,
+                            attn_factor=cfg.rope_attn_factor)
         q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, *rope_args, **rope_scaling)   # (no q_norm: rope)
         k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, *rope_args, **rope_scaling)
         if cfg.scale_q:

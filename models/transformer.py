@@ -1,4 +1,4 @@
-"""The decoder shared by llama, qwen2, qwen3, gemma2 and gemma3: weights loader, config base, block, model.
+"""The decoder shared by llama, qwen2, qwen3, phi3, gemma2 and gemma3: weights loader, config base, block, model.
 
 Each architecture file (llama.py, qwen2.py, qwen3.py, gemma2.py, gemma3.py) fills a frozen
 `DecoderConfig` from its GGUF metadata; the differences between them are data in that config
@@ -11,6 +11,7 @@ Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,8 +53,11 @@ class DecoderConfig:
     sliding_window: int = 0
     swa_pattern: int = 0                  # every swa_pattern-th layer is global, the rest local; 0 = none
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
-    rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3)
+    rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3, LongRoPE)
     rope_freq_scale: float = 1.0          # every angle times this (linear rope scaling: 1 / factor)
+    rope_attn_factor: float = 1.0         # cos and sin times this (rope.scaling.attn_factor: LongRoPE's)
+    longrope: tuple = ()                  # LongRoPE: (short factors, long factors, original context); for_context picks
+    rope_long: bool = False               # LongRoPE: rope_freq_factors are the long ones
     attn_softcap: float = 0.0             # attention scores soft-capped at this before the softmax (gemma2)
     final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
     # derived in __post_init__
@@ -71,9 +75,26 @@ class DecoderConfig:
         base_local = self.rope_base_local or self.rope_base
         object.__setattr__(self, "layer_rope_base", tuple(base_local if loc else self.rope_base for loc in local))
 
+    def for_context(self, n_ctx: int) -> "DecoderConfig":
+        """This config for a cache of n_ctx tokens. A LongRoPE file (phi3's 128k models) carries two
+        factor sets, and llama.cpp picks one per context, not per position (llama_model::get_rope_factors):
+        the long ones when its context, n_ctx rounded up to 256 as llama.cpp pads it, exceeds the file's
+        original context; a set the file lacks means no factors."""
+        if not self.longrope:
+            return self
+        short, long, n_ctx_orig = self.longrope
+        use_long = -(-n_ctx // 256) * 256 > n_ctx_orig
+        return dataclasses.replace(self, rope_freq_factors=long if use_long else short, rope_long=use_long)
+
+    @property
+    def rope_tag(self) -> str:
+        """What of the rope a cached K depends on beyond the file: LongRoPE's chosen factor set."""
+        return ("/rope-long" if self.rope_long else "/rope-short") if self.longrope else ""
+
     def rope_table(self, positions: np.ndarray, base: float) -> np.ndarray:
         """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base (kernels.cpu.rope_table)."""
-        return rope_table(positions, base, self.n_rot, self.rope_freq_factors, self.rope_freq_scale)
+        return rope_table(positions, base, self.n_rot, self.rope_freq_factors, self.rope_freq_scale,
+                          self.rope_attn_factor)
 
     @staticmethod
     def common_from_gguf(g: GGUFFile) -> dict:
@@ -96,6 +117,7 @@ class DecoderConfig:
             rope_base=float(g.arch_get("rope.freq_base") or 10000.0),
             n_rot=int(g.arch_get("rope.dimension_count") or head_dim),
             rope_freq_scale=rope_freq_scale(g),
+            rope_attn_factor=float(g.arch_get("rope.scaling.attn_factor") or 1.0),
         )
 
 
@@ -106,6 +128,18 @@ def rope_freq_scale(g: GGUFFile) -> float:
         raise BadInputError(f"{g.path.name}: rope scaling '{kind}' is not supported")
     factor = float(g.arch_get("rope.scaling.factor") or 0.0)
     return 1.0 / factor if kind == "linear" and factor > 0 else 1.0
+
+
+def rope_factors(g: GGUFFile, name: str, n_rot: int) -> tuple[float, ...]:
+    """A rope factor tensor (rope_freqs, rope_factors_long / _short): n_rot/2 floats, one per
+    rotary pair; () when the file has none."""
+    if name not in g.tensors:
+        return ()
+    t = next(t for t in g.reader.tensors if t.name == name)
+    factors = tuple(float(f) for f in np.asarray(t.data, np.float32).reshape(-1))
+    if len(factors) != n_rot // 2:
+        raise BadInputError(f"{g.path.name}: {name} has {len(factors)} factors for {n_rot // 2} rotary pairs")
+    return factors
 
 
 class Weights:

@@ -231,17 +231,17 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _rope_table(positions, theta_scale, factors, freq_scale, cs):
+def _rope_table(positions, theta_scale, factors, freq_scale, mscale, cs):
     """ggml's angles (ggml_rope_cache_init, rope_yarn without its extrapolation): theta = pos, then
     theta *= theta_scale per pair, in float32; pair i turns by freq_scale * (theta / factors[i]);
-    cosf/sinf. (Factors of 1 and a scale of 1 change no bit.) cs (T, n_rot/2, 2): cos and sin of
-    pair i at token t."""
+    cosf/sinf, each times mscale. (Factors of 1 and scales of 1 change no bit.) cs (T, n_rot/2, 2):
+    cos and sin of pair i at token t."""
     for t in prange(positions.shape[0]):
         theta = np.float32(positions[t])
         for i in range(cs.shape[1]):
             angle = freq_scale * (theta / factors[i])
-            cs[t, i, 0] = math.cos(angle)
-            cs[t, i, 1] = math.sin(angle)
+            cs[t, i, 0] = math.cos(angle) * mscale
+            cs[t, i, 1] = math.sin(angle) * mscale
             theta = theta * theta_scale
 
 
@@ -271,11 +271,12 @@ _rope_table_serial = serial_twin(_rope_table)
 
 
 def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Sequence[float] = (),
-               freq_scale: float = 1.0) -> np.ndarray:
+               freq_scale: float = 1.0, attn_factor: float = 1.0) -> np.ndarray:
     """cos/sin (T, n_rot/2, 2) of ggml_rope's angles for these positions: computed once per forward
     pass and base, and shared by every layer's q and k (the trig was most of rope's time).
-    freq_factors (n_rot/2,): each pair's angle divided by its factor (Llama 3's rope_freqs; none:
-    all 1); freq_scale: every angle times it (linear rope scaling: 1 / factor)."""
+    freq_factors (n_rot/2,): each pair's angle divided by its factor (Llama 3's rope_freqs, LongRoPE's
+    factor sets; none: all 1); freq_scale: every angle times it (linear rope scaling: 1 / factor);
+    attn_factor: cos and sin times it (ggml's mscale: LongRoPE's rope.scaling.attn_factor)."""
     if n_rot % 2:
         raise ValueError(f"n_rot={n_rot} must be even")
     factors = np.asarray(freq_factors if len(freq_factors) else np.ones(n_rot // 2), np.float32)
@@ -285,7 +286,7 @@ def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Se
     positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
     cs = np.empty((positions.shape[0], n_rot // 2, 2), np.float32)
     pick(_rope_table, _rope_table_serial, cs.size)(positions, np.float32(theta_scale), factors,
-                                                   np.float32(freq_scale), cs)
+                                                   np.float32(freq_scale), np.float32(attn_factor), cs)
     return cs
 
 

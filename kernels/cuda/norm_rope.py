@@ -7,9 +7,10 @@ storage dtype:
   RMSNorm: y = x / sqrt(mean(x^2) + eps) * w         (the GGUF stores w as applied, gemma included)
   RoPE (ggml_rope_ext without YaRN): pair (a, b) of dims rotated by
       theta_i = freq_scale * pos * base^(-2i / n_rot) / factor_i, i < n_rot / 2
-      (factor_i: Llama 3's rope_freqs, else 1; freq_scale: linear rope scaling, else 1)
+      (factor_i: Llama 3's rope_freqs or LongRoPE's factors, else 1; freq_scale: linear rope
+      scaling, else 1; m: LongRoPE's attn_factor, else 1)
       neox:   (a, b) = (i, i + n_rot/2)       normal: (a, b) = (2i, 2i + 1)
-      y_a = x_a cos - x_b sin,  y_b = x_a sin + x_b cos;  dims >= n_rot pass through.
+      y_a = x_a m cos - x_b m sin,  y_b = x_a m sin + x_b m cos;  dims >= n_rot pass through.
 
 Each output element loads its rotation partner directly (a second, cached gather of the same
 row) and, when fused, normalises it with the same row statistic, so no shuffles are needed.
@@ -26,7 +27,7 @@ INTERPRETED_TILE = 1 << 14    # elements a program takes under the interpreter (
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, R, D, H, s_x, s_y, eps, log2_base, freq_scale,
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, R, D, H, s_x, s_y, eps, log2_base, freq_scale, mscale,
                       N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr,
                       HAS_ROPE: tl.constexpr, HAS_FF: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_D: tl.constexpr):
@@ -58,14 +59,15 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, ff_ptr, y_ptr, R, D, H, s_x, s_y, e
         if HAS_FF:
             ang = ang / tl.load(ff_ptr + i, mask=d_ok & rot, other=1.0)[None, :]
         ang = ang * freq_scale
-        c = tl.cos(ang)
-        s = tl.sin(ang)
+        c = tl.cos(ang) * mscale
+        s = tl.sin(ang) * mscale
         y_rot = tl.where(first[None, :], x * c - xp * s, xp * s + x * c)
         x = tl.where(rot[None, :], y_rot, x)
     tl.store(y_ptr + rows[:, None] * s_y + offs[None, :], x.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2, factors=None, freq_scale=1.0):
+def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, out2, factors=None, freq_scale=1.0,
+            attn_factor=1.0):
     R, D = x2.shape
     if R == 0:
         return
@@ -78,6 +80,7 @@ def _launch(x2, w, positions, H, eps, theta, n_rot, neox, has_norm, has_rope, ou
     _norm_rope_kernel[(triton.cdiv(R, BLOCK_R),)](
         x2, w if has_norm else dummy, positions if has_rope else dummy, dummy if factors is None else factors, out2,
         R, D, H, x2.stride(0), out2.stride(0), float(eps), math.log2(theta) if has_rope else 0.0, float(freq_scale),
+        float(attn_factor),
         N_ROT=n_rot if has_rope else 2, NEOX=bool(neox), HAS_NORM=has_norm, HAS_ROPE=has_rope,
         HAS_FF=factors is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=num_warps,
     )
@@ -105,16 +108,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
 
 def rope(x: torch.Tensor, positions, theta: float, neox: bool, n_rot: int | None = None,
          out: torch.Tensor | None = None, freq_factors: torch.Tensor | None = None,
-         freq_scale: float = 1.0) -> torch.Tensor:
+         freq_scale: float = 1.0, attn_factor: float = 1.0) -> torch.Tensor:
     """ggml RoPE of x (T, H, hd) at positions (T,): T*H rows. out must not alias x (partners are re-read)."""
-    return norm_rope(x, None, 0.0, positions, theta, neox, n_rot, out, freq_factors, freq_scale)
+    return norm_rope(x, None, 0.0, positions, theta, neox, n_rot, out, freq_factors, freq_scale, attn_factor)
 
 
 def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, positions, theta: float, neox: bool,
               n_rot: int | None = None, out: torch.Tensor | None = None, freq_factors: torch.Tensor | None = None,
-              freq_scale: float = 1.0) -> torch.Tensor:
+              freq_scale: float = 1.0, attn_factor: float = 1.0) -> torch.Tensor:
     """Per-head RMSNorm (w (hd,), skipped when None) then RoPE, one pass: x (T, H, hd) -> same shape.
-    freq_factors (n_rot/2,) float32 on the device: each pair's angle divided by its factor."""
+    freq_factors (n_rot/2,) float32 on the device: each pair's angle divided by its factor;
+    attn_factor: cos and sin times it."""
     T, H, hd = x.shape
     n_rot = hd if n_rot is None else n_rot
     if n_rot % 2 or n_rot > hd:
@@ -129,5 +133,5 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, positions, th
         if freq_factors is not None and tuple(freq_factors.shape) != (n_rot // 2,):
             raise ValueError(f"{tuple(freq_factors.shape)} rope frequency factors for {n_rot // 2} rotary pairs")
         _launch(x2, None if w is None else w.contiguous(), _positions(positions, T, x.device), H, eps, theta,
-                n_rot, neox, w is not None, True, out.view(T * H, hd), freq_factors, freq_scale)
+                n_rot, neox, w is not None, True, out.view(T * H, hd), freq_factors, freq_scale, attn_factor)
     return out

@@ -7,6 +7,7 @@ requires, a few words), so llama.cpp's vocab loader accepts it.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -64,14 +65,16 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
 def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None,
                      rope_scaling: str | None = None,
                      softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP),
-                     f32_twin: bool = False) -> Path:
+                     f32_twin: bool = False, sliding_window: int = 0) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
-    or "linear" / "yarn" (rope.scaling.type, factor 4), or "longrope" (phi3's factor tensors); kvchat's
-    engines do not run YaRN and LongRoPE.
+    or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN), or phi3's
+    LongRoPE: "longrope" (original context 128, so a 256-token context takes the long factors) or
+    "longrope-short" (original context 256: the short ones).
     softcaps: gemma2's attention and final logit soft-caps. f32_twin: the same model with every
     quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
-    compared with the native engine's float32 arithmetic on it."""
+    compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
+    carry (llama); the gemmas always have theirs."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -90,13 +93,16 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     if arch in ("gemma2", "gemma3", "qwen3"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
-    if arch in ("gemma2", "gemma3"):
-        w.add_sliding_window(GEMMA_WINDOW)
-    else:
+    if arch in ("gemma2", "gemma3") or sliding_window:
+        w.add_sliding_window(sliding_window or GEMMA_WINDOW)
+    if arch not in ("gemma2", "gemma3"):
         w.add_rope_dimension_count(HEAD_DIM)
     if rope_scaling in ("linear", "yarn"):
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
         w.add_rope_scaling_factor(4.0)
+    if rope_scaling in ("longrope", "longrope-short"):   # as phi3's converter writes them
+        w.add_rope_scaling_orig_ctx_len(128 if rope_scaling == "longrope" else 256)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(4096)))   # a 128k model's
     tokens, scores, types = vocab()
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -120,9 +126,9 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
 
     if rope_scaling == "llama3":     # factors 1 (high frequencies) .. 8 (low), as Llama 3's scaling makes them
         w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
-    if rope_scaling == "longrope":   # phi3's 128k models: two factor sets (kvchat's engines do not run them)
-        for kind in ("long", "short"):
-            w.add_tensor(f"rope_factors_{kind}.weight", np.geomspace(1.0, 4.0, HEAD_DIM // 2).astype(np.float32))
+    if rope_scaling in ("longrope", "longrope-short"):   # phi3's 128k models: two factor sets
+        for kind, top in (("long", 40.0), ("short", 1.5)):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.geomspace(1.0, top, HEAD_DIM // 2).astype(np.float32))
     mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
     if arch not in ("gemma2", "gemma3"):  # the gemmas tie the output to token_embd
         mat("output.weight", N_VOCAB, N_EMBD, 0.5)
@@ -168,17 +174,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False) -> (GGUFFile, Tokenizer),
-    written once per session."""
+    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False, sliding_window=0) ->
+    (GGUFFile, Tokenizer), written once per session."""
     made = {}
 
     def make(arch: str, qtype: str, rope_base: float | None = None, rope_scaling: str | None = None,
-             f32_twin: bool = False):
-        key = arch, qtype, rope_base, rope_scaling, f32_twin
+             f32_twin: bool = False, sliding_window: int = 0):
+        key = arch, qtype, rope_base, rope_scaling, f32_twin, sliding_window
         if key not in made:
             name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "") + (f"-{rope_scaling}" if rope_scaling else "")
+            name += f"-swa{sliding_window}" if sliding_window else ""
             path = write_tiny_model(tiny_model_dir / f"{name}{'-twin' if f32_twin else ''}.gguf", arch, qtype,
-                                    rope_base=rope_base, rope_scaling=rope_scaling, f32_twin=f32_twin)
+                                    rope_base=rope_base, rope_scaling=rope_scaling, f32_twin=f32_twin,
+                                    sliding_window=sliding_window)
             g = open_model(path)
             made[key] = (g, Tokenizer.from_gguf(g))
         return made[key]

@@ -15,11 +15,14 @@ two roundings can order alike).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import NativeBackend
+from models.architectures import load_config
 from tests.engine import conftest as fx
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
@@ -56,10 +59,11 @@ def test_llamacpp_oracle_is_the_avx2_build():
 
 # Rope bases: llama and qwen2 at Llama 2's 1e4 and Llama 3's 5e5, qwen3 at its 1e6; gemma3 at 1e6 (global layers) and
 # 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
-# Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight) and linear scaling.
+# Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight), linear scaling, and phi3's
+# LongRoPE with each of its factor sets (and its attn_factor on cos and sin).
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
-              ("llama", 1e4, "linear")]
+              ("llama", 1e4, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short")]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of
@@ -111,6 +115,54 @@ def test_rope_scaling_is_read_from_the_file(tiny_model):
             native.close()
     for base, scaling in ((5e5, "llama3"), (1e4, "linear")):
         assert np.abs(logits(base, scaling) - logits(base)).max() > 1e-2, scaling
+
+
+def test_longrope_picks_its_factors_by_context_as_llamacpp_does(tiny_model):
+    """phi3's LongRoPE: the short factors while the context (rounded up to 256, as llama.cpp pads it)
+    is within the file's original context, the long ones past it; each set changes the logits, and
+    at a context of 257 tokens (the long set in both engines) the native engine is llama.cpp's bit
+    for bit. The set is part of the disk cache's key: K rotated by one set is not the other's."""
+    g, tok = tiny_model("phi3", "Q8_0", 1e4, "longrope-short")      # original context 256
+    assert load_config(g, 256).rope_tag == "/rope-short" and load_config(g, 257).rope_tag == "/rope-long"
+    assert load_config(g, 256).rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-6)
+
+    def native_logits(gguf_tok, n_ctx):
+        native = NativeBackend(*gguf_tok, n_ctx, 2)
+        try:
+            native.attach_disk(gguf_tok[0].path)
+            arithmetic.append(native.disk.fmt.arithmetic)
+            return native.logits_all(IDS)
+        finally:
+            native.close()
+    arithmetic = []
+    short, long = native_logits((g, tok), 256), native_logits((g, tok), 257)
+    assert arithmetic[0].endswith("/rope-short") and arithmetic[1].endswith("/rope-long")
+    plain = native_logits(tiny_model("phi3", "Q8_0", 1e4), 256)
+    assert np.abs(short - long).max() > 1e-2 and np.abs(short - plain).max() > 1e-2
+    ll = LlamaCppBackend(g, tok, 257, 2, logits_all=True)
+    try:
+        np.testing.assert_array_equal(long, ll.logits_all(IDS))
+    finally:
+        ll.close()
+
+
+def test_mistral_sliding_window_is_ignored_as_llamacpp_does(tiny_model):
+    """A llama file with Mistral's `llama.attention.sliding_window` (8 here, shorter than the 40
+    tokens): llama.cpp's llama graph never reads the key and attends to everything, and the native
+    engine gives its logits bit for bit, the same as without the key."""
+    g, tok = tiny_model("llama", "Q8_0", sliding_window=8)
+    assert g.arch_get("attention.sliding_window") == 8
+    native = NativeBackend(g, tok, 256, 2)
+    try:
+        ours = native.logits_all(IDS)
+    finally:
+        native.close()
+    np.testing.assert_array_equal(ours, _llama_logits(g, tok))
+    plain = NativeBackend(*tiny_model("llama", "Q8_0"), 256, 2)
+    try:
+        np.testing.assert_array_equal(ours, plain.logits_all(IDS))
+    finally:
+        plain.close()
 
 
 def test_gemma2_soft_caps_bend_these_models(tiny_model, tmp_path):

@@ -364,15 +364,15 @@ def test_rope_matches_reference(neox, hd, n_rot, dtype):
 
 @pytest.mark.parametrize("neox", [True, False])
 def test_rope_frequency_factors_and_linear_scaling(neox):
-    """Llama 3's rope_freqs (each pair's angle divided by its factor) and linear scaling (every angle
-    times freq_scale), as ggml_rope_ext applies them."""
+    """Llama 3's rope_freqs (each pair's angle divided by its factor), linear scaling (every angle
+    times freq_scale) and LongRoPE's attn_factor (cos and sin times it), as ggml_rope_ext applies them."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((len(ROPE_POS), 2, 64)).astype(np.float32)
     ff = rng.uniform(1, 8, 32).astype(np.float32)
     pos = np.array(ROPE_POS)
     y = rope(torch.from_numpy(x).to(DEVICE), torch.from_numpy(pos).to(DEVICE), 5e5, neox,
-             freq_factors=torch.from_numpy(ff).to(DEVICE), freq_scale=0.25)
-    ref = rope_ref(x, pos, 5e5, neox, freq_factors=ff, freq_scale=0.25)
+             freq_factors=torch.from_numpy(ff).to(DEVICE), freq_scale=0.25, attn_factor=1.19)
+    ref = rope_ref(x, pos, 5e5, neox, freq_factors=ff, freq_scale=0.25, attn_factor=1.19)
     torch.testing.assert_close(y.cpu(), torch.from_numpy(ref), atol=2e-5, rtol=2e-5)
     assert not np.allclose(ref, rope_ref(x, pos, 5e5, neox), atol=1e-3)     # the factors matter
 

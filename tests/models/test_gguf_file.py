@@ -91,12 +91,14 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    """YaRN and LongRoPE are not built: such files go to llama.cpp under --backend auto; linear scaling runs."""
+    """YaRN is not built, nor LongRoPE outside phi3: such files go to llama.cpp under --backend auto;
+    linear scaling and phi3's LongRoPE run."""
     from tests.engine.conftest import write_tiny_model
     assert open_model(write_tiny_model(tmp_path / "y.gguf", "llama", "F32", rope_scaling="yarn")).unsupported() \
         == "rope scaling 'yarn'"
     assert open_model(write_tiny_model(tmp_path / "l.gguf", "llama", "F32", rope_scaling="linear")).unsupported() is None
-    assert open_model(write_tiny_model(tmp_path / "p.gguf", "phi3", "F32", rope_scaling="longrope")).unsupported() \
+    assert open_model(write_tiny_model(tmp_path / "p.gguf", "phi3", "F32", rope_scaling="longrope")).unsupported() is None
+    assert open_model(write_tiny_model(tmp_path / "q.gguf", "llama", "F32", rope_scaling="longrope")).unsupported() \
         == "LongRoPE rope scaling"
 
 
