@@ -4,8 +4,8 @@
 - norms after attention and after the MLP; GeGLU (tanh gelu) MLP; neox rope; no Q/K norm;
 - sliding-window attention on every other layer (layer il is local iff il % 2 == 0; the period is
   `gemma2.attention.sliding_window_pattern` where the file has it), window
-  `gemma2.attention.sliding_window` (4096 when absent), one rope base for all layers unless the
-  file gives `rope.freq_base_swa`;
+  `gemma2.attention.sliding_window` (4096 when absent), one rope base (and rope scaling) for all
+  layers unless the file gives `rope.freq_base_swa`;
 - Q times 1/sqrt(key_length) before attention (the 27B, 46 layers: 1/sqrt(n_embd / n_head));
 - the attention scores soft-capped, s = cap * tanh(s / cap) before the softmax, cap
   `gemma2.attn_logit_softcapping` (50 when absent), and so the logits, cap

@@ -6,7 +6,9 @@
 - GeGLU (tanh gelu) MLP; neox rope;
 - sliding-window attention on 5 of every 6 layers (hparams.set_swa_pattern(6): layer il is local
   iff il % 6 < 5), window `gemma3.attention.sliding_window`; local layers use rope base 10000
-  (rope_freq_base_train_swa), global ones `gemma3.rope.freq_base`;
+  (rope_freq_base_train_swa), global ones `gemma3.rope.freq_base`; the 4B, 12B and 27B files'
+  linear rope scaling (factor 8) applies to the global layers only (the local layers'
+  rope_freq_scale_train_swa stays 1);
 - attention scale 1/sqrt(key_length) (query_pre_attn_scalar = head_dim), except the 27B
   (62 layers) which uses 1/sqrt(n_embd / n_head), applied to Q before attention (ggml_scale),
   not to the scores;
@@ -32,5 +34,6 @@ class Gemma3Config(DecoderConfig):
         return cls(**c, **gemma_family(c, 62), qk_norm=True,
                    sliding_window=int(g.arch_get("attention.sliding_window") or 0),
                    swa_pattern=SWA_PATTERN,
-                   rope_base_local=float(g.arch_get("rope.freq_base_swa") or ROPE_BASE_LOCAL))
+                   rope_base_local=float(g.arch_get("rope.freq_base_swa") or ROPE_BASE_LOCAL),
+                   rope_freq_scale_local=1.0)
 

@@ -150,7 +150,7 @@ class TorchLayer:
     w_down: TorchMatrix
     post_ffn_norm: torch.Tensor | None
     window: int
-    rope_base: float
+    rope: tuple[float, float]                 # (base, freq_scale)
 
 
 class TorchDecoder:
@@ -191,7 +191,7 @@ class TorchDecoder:
                 vector(p + "ffn_norm.weight"), *gate_up,
                 matrix(p + "ffn_down.weight"),
                 vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
-                cfg.layer_window[il], cfg.layer_rope_base[il]))
+                cfg.layer_window[il], cfg.layer_rope[il]))
             if progress:
                 progress("loading weights", il + 1, cfg.n_layer)
         self.rope_factors = (torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=device)
@@ -230,8 +230,8 @@ class TorchDecoder:
         q, k, v = layer.wq(h), layer.wk(h), layer.wv(h)                            # (T, Hq*hd), (T, Hkv*hd) x2
         if layer.bq is not None:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        rope_args = (positions, layer.rope_base, cfg.rope_neox, cfg.n_rot)
-        rope_scaling = dict(freq_factors=self.rope_factors, freq_scale=cfg.rope_freq_scale,
+        rope_args = (positions, layer.rope[0], cfg.rope_neox, cfg.n_rot)
+        rope_scaling = dict(freq_factors=self.rope_factors, freq_scale=layer.rope[1],
                             attn_factor=cfg.rope_attn_factor)
         q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, *rope_args, **rope_scaling)   # (no q_norm: rope)
         k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, *rope_args, **rope_scaling)

@@ -53,6 +53,7 @@ class DecoderConfig:
     sliding_window: int = 0
     swa_pattern: int = 0                  # every swa_pattern-th layer is global, the rest local; 0 = none
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
+    rope_freq_scale_local: float = 0.0    # rope_freq_scale of sliding-window layers (0 -> rope_freq_scale)
     rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3, LongRoPE)
     rope_freq_scale: float = 1.0          # every angle times this (linear rope scaling: 1 / factor)
     rope_attn_factor: float = 1.0         # cos and sin times this (rope.scaling.attn_factor: LongRoPE's)
@@ -62,7 +63,7 @@ class DecoderConfig:
     final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
-    layer_rope_base: tuple[float, ...] = field(default=(), init=False)
+    layer_rope: tuple[tuple[float, float], ...] = field(default=(), init=False)   # (base, freq_scale) per layer
 
     def __post_init__(self):
         if self.n_head % self.n_head_kv:
@@ -72,8 +73,9 @@ class DecoderConfig:
         local = [self.swa_pattern > 0 and self.sliding_window > 0 and il % self.swa_pattern < self.swa_pattern - 1
                  for il in range(self.n_layer)]
         object.__setattr__(self, "layer_window", tuple(self.sliding_window if loc else 0 for loc in local))
-        base_local = self.rope_base_local or self.rope_base
-        object.__setattr__(self, "layer_rope_base", tuple(base_local if loc else self.rope_base for loc in local))
+        rope_local = (self.rope_base_local or self.rope_base, self.rope_freq_scale_local or self.rope_freq_scale)
+        object.__setattr__(self, "layer_rope", tuple(rope_local if loc else (self.rope_base, self.rope_freq_scale)
+                                                     for loc in local))
 
     def for_context(self, n_ctx: int) -> "DecoderConfig":
         """This config for a cache of n_ctx tokens. A LongRoPE file (phi3's 128k models) carries two
@@ -91,10 +93,10 @@ class DecoderConfig:
         """What of the rope a cached K depends on beyond the file: LongRoPE's chosen factor set."""
         return ("/rope-long" if self.rope_long else "/rope-short") if self.longrope else ""
 
-    def rope_table(self, positions: np.ndarray, base: float) -> np.ndarray:
-        """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base (kernels.cpu.rope_table)."""
-        return rope_table(positions, base, self.n_rot, self.rope_freq_factors, self.rope_freq_scale,
-                          self.rope_attn_factor)
+    def rope_table(self, positions: np.ndarray, base: float, freq_scale: float) -> np.ndarray:
+        """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base and frequency scale
+        (a layer's layer_rope; kernels.cpu.rope_table)."""
+        return rope_table(positions, base, self.n_rot, self.rope_freq_factors, freq_scale, self.rope_attn_factor)
 
     @staticmethod
     def common_from_gguf(g: GGUFFile) -> dict:
@@ -296,7 +298,7 @@ class Block:
     def __init__(self, cfg: DecoderConfig, w: Weights, il: int):
         p = f"blk.{il}."
         self.cfg, self.il = cfg, il
-        self.window, self.rope_base = cfg.layer_window[il], cfg.layer_rope_base[il]
+        self.window, self.rope = cfg.layer_window[il], cfg.layer_rope[il]       # rope: (base, freq_scale)
         self.attn_norm = w.vector(p + "attn_norm.weight")
         qd, kvd = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         if p + "attn_qkv.weight" in w:                                      # phi3: one matrix
@@ -416,7 +418,7 @@ class Decoder:
         x = self.tok_embd.rows(tokens)                                    # (T, D)
         if cfg.embed_scale != 1.0:
             x *= np.float32(cfg.embed_scale)
-        tables = {base: cfg.rope_table(positions, base) for base in set(cfg.layer_rope_base)}
+        tables = {rope: cfg.rope_table(positions, *rope) for rope in set(cfg.layer_rope)}
         rows = [(kv_.block_table, s, n, dec) for kv_, s, n, dec in segments]
         bs = kv.k_cache[0].shape[1]
         plans = {w: attention_plan(rows, w, cfg.n_head, cfg.n_head_kv, cfg.head_dim, bs, self.softmax)
@@ -428,7 +430,7 @@ class Decoder:
             b = bufs.get(block.shape)
             if b is None:
                 b = bufs[block.shape] = self._buffers(block, runs, T)
-            args = (x, tables[block.rope_base], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
+            args = (x, tables[block.rope], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
                     plans[block.window], b)
             if il == last and keep is not None:
                 x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)))

@@ -125,7 +125,7 @@ def test_norms_rope_swiglu_are_bit_exact(step):
     positions = np.array([pos])
     for name, heads in (("Qcur-0", cfg.n_head), ("Kcur-0", cfg.n_head_kv)):   # #1 biased, #3 rotated
         biased = _get(tensors, name, 1).reshape(1, heads, cfg.head_dim)
-        rotated = rope(biased, positions, block.rope_base, cfg.rope_neox, cfg.n_rot)
+        rotated = rope(biased, positions, block.rope[0], cfg.rope_neox, cfg.n_rot)
         assert _ulps(rotated, _get(tensors, name, 3)) == 0, name
     gate, up = _get(tensors, "ffn_gate-0").reshape(1, -1), _get(tensors, "ffn_up-0").reshape(1, -1)
     assert _ulps(swiglu(gate, up), _get(tensors, "ffn_swiglu-0")) == 0

@@ -59,11 +59,12 @@ def test_llamacpp_oracle_is_the_avx2_build():
 
 # Rope bases: llama and qwen2 at Llama 2's 1e4 and Llama 3's 5e5, qwen3 at its 1e6; gemma3 at 1e6 (global layers) and
 # 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
-# Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight), linear scaling, and phi3's
-# LongRoPE with each of its factor sets (and its attn_factor on cos and sin).
+# Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight), linear scaling (gemma3's
+# 4B-27B: on its global layers only), and phi3's LongRoPE with each of its factor sets (and its
+# attn_factor on cos and sin).
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
-              ("llama", 1e4, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short")]
+              ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short")]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of
@@ -104,17 +105,17 @@ def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, rope_scaling, qtype
 
 def test_rope_scaling_is_read_from_the_file(tiny_model):
     """The rope-scaling cases above are not vacuous: the same weights with Llama 3's frequency
-    factors, or with linear scaling, give other logits than without (and llama.cpp agrees bit for
-    bit with each, above)."""
-    def logits(base, scaling=None):
-        g, tok = tiny_model("llama", "Q8_0", base, scaling)
+    factors, or with linear scaling (gemma3: its one global layer of six), give other logits than
+    without (and llama.cpp agrees bit for bit with each, above)."""
+    def logits(arch, base, scaling=None):
+        g, tok = tiny_model(arch, "Q8_0", base, scaling)
         native = NativeBackend(g, tok, 256, 2)
         try:
             return native.logits_all(IDS)
         finally:
             native.close()
-    for base, scaling in ((5e5, "llama3"), (1e4, "linear")):
-        assert np.abs(logits(base, scaling) - logits(base)).max() > 1e-2, scaling
+    for arch, base, scaling in (("llama", 5e5, "llama3"), ("llama", 1e4, "linear"), ("gemma3", None, "linear")):
+        assert np.abs(logits(arch, base, scaling) - logits(arch, base)).max() > 1e-2, (arch, scaling)
 
 
 def test_longrope_picks_its_factors_by_context_as_llamacpp_does(tiny_model):
