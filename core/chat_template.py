@@ -6,6 +6,7 @@ any reach for an unsafe attribute (`''.__class__` and the like) is an error, not
 from __future__ import annotations
 
 from datetime import datetime
+from functools import cached_property
 from typing import Sequence
 
 from jinja2 import TemplateError
@@ -20,6 +21,9 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
 
     def unsafe_undefined(self, obj, attribute):
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__} is not allowed")
+
+
+_SYSTEM_PROBE = "kvchat: is this system message shown?"
 
 
 def _raise_exception(message: str):
@@ -38,10 +42,29 @@ class ChatTemplate:
         except TemplateError as e:
             raise BadInputError(f"the model's chat template does not parse: {_one_line(e)}") from None
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> prompt text."""
+    @cached_property
+    def supports_system_role(self) -> bool:
+        """Does the template show a system message? Gemma 2's raises on one, and some templates drop
+        it: llama.cpp (common/chat.cpp, its template caps check) then merges the system text into the
+        first user message, and so does render."""
+        probe = [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": "User message"}]
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            return _SYSTEM_PROBE in self._template.render(messages=probe, add_generation_prompt=True,
+                                                          bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception:
+            return False
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...] -> prompt text. A
+        leading system message the template cannot show goes in front of the next message's text,
+        joined by a newline (alone, it is dropped), as llama.cpp does."""
+        messages = list(messages)
+        if messages and messages[0]["role"] == "system" and not self.supports_system_role:
+            system, messages = messages[0], messages[1:]
+            if messages:
+                messages[0] = {**messages[0], "content": system["content"] + "\n" + messages[0]["content"]}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except SecurityError as e:
             raise BadInputError(f"the model's chat template tried something unsafe and was stopped: {_one_line(e)}") from None
