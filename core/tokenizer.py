@@ -37,9 +37,53 @@ BPE_PRETOKENIZERS = {
     **{name: (QWEN2_PRETOKENIZE, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
     **{name: (LLAMA3_PRETOKENIZE, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
 }
-# Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says (llama-vocab.cpp)
-EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
-             "<|end▁of▁sentence|>", "<|return|>", "<|call|>", "<|eom_id|>")
+# Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says, and types as control
+# tokens whatever the GGUF's types say (llama-vocab.cpp, llama_vocab::impl::load)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
+# ... and so are the fill-in-the-middle pad, repo and file-separator tokens, the file's own
+# (tokenizer.ggml.fim_*_token_id) or else the first of these texts the vocabulary has
+FIM_EOG_TEXTS = {"pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+                 "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+                 "sep": ("<|file_sep|>",)}
+
+
+def llama_eog(tokens: Sequence[str], types: list[int], ids: Sequence[int | None],
+              fim_ids: dict[str, int | None]) -> frozenset[int]:
+    """The token ids that end generation, as llama.cpp's vocabulary loader picks them (ids: eos,
+    eot, eom), with its two exceptions: o200k_harmony's and solar-open's `<|end|>` is not one when
+    `<|return|>` / `<|call|>` (or `<|calls|>` / `<|flush|>`) are, and a `</s>` beside
+    `<|tool_response>` or `<|plamo:eos|>` is a normal token. Retypes tokens in `types` as llama.cpp
+    does: each of these control (the two exceptions user-defined / normal), and gpt-oss's
+    `<|channel|>`, `<|message|>`, `<|start|>`, `<|constrain|>` user-defined."""
+    index = {t: i for i, t in enumerate(tokens)}
+    eog = set()
+    for kind, texts in FIM_EOG_TEXTS.items():
+        i = fim_ids.get(kind)
+        if i is None:
+            i = next((index[t] for t in texts if t in index), None)
+            if i is not None:
+                types[i] = CONTROL
+        if i is not None:
+            eog.add(i)
+    for t in EOG_TEXTS:
+        if t in index:
+            eog.add(index[t])
+            types[index[t]] = CONTROL
+    for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # gpt-oss's, always rendered
+        if t in index:
+            types[index[t]] = USER_DEFINED
+    eog |= {i for i in ids if i is not None}
+    texts = {tokens[i] for i in eog if 0 <= i < len(tokens)}
+    if "<|end|>" in texts and texts & {"<|call|>", "<|calls|>"} and texts & {"<|return|>", "<|flush|>"}:
+        eog.discard(index["<|end|>"])
+        types[index["<|end|>"]] = USER_DEFINED
+    if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+        eog.discard(index["</s>"])
+        types[index["</s>"]] = NORMAL
+    return frozenset(i for i in eog if 0 <= i < len(tokens))
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -61,9 +105,12 @@ class Tokenizer:
     def __init__(self, model: str, tokens: list[str], types: list[int], scores: list[float] | None,
                  merges: list[str] | None, bos_id: int | None, eos_id: int | None, add_bos: bool,
                  add_space_prefix: bool, eot_id: int | None = None, unk_id: int | None = None,
-                 cache_key: str | None = None, pre: str | None = None):
+                 cache_key: str | None = None, pre: str | None = None, eom_id: int | None = None,
+                 fim_ids: dict[str, int | None] | None = None):
         self.model = model
         self.tokens = tokens
+        types = list(types)
+        self.eog_ids = llama_eog(tokens, types, (eos_id, eot_id, eom_id), fim_ids or {})   # (retypes some)
         self.types = types
         self.n_vocab = len(tokens)
         self.bos_id, self.eos_id = bos_id, eos_id
@@ -72,9 +119,6 @@ class Tokenizer:
         self.unk_id = unk_id
         self._cache_key = cache_key
         self._piece_cache: dict[int, bytes] = {}
-        eog = {i for i in (eos_id, eot_id) if i is not None}
-        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS and types[i] in (CONTROL, USER_DEFINED)}
-        self.eog_ids = frozenset(eog)
         # (text, id, is_control) longest first: the order llama.cpp tries them in
         specials = [(t, i, types[i] in (CONTROL, UNKNOWN)) for i, t in enumerate(tokens)
                     if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) and t]
@@ -101,7 +145,8 @@ class Tokenizer:
             add_space_prefix=bool(g.get("tokenizer.ggml.add_space_prefix", model == "llama")),
             eot_id=g.get("tokenizer.ggml.eot_token_id"), unk_id=g.get("tokenizer.ggml.unknown_token_id"),
             cache_key=f"{g.path.stem}-{g.file_size}-{int(g.path.stat().st_mtime)}",
-            pre=g.get("tokenizer.ggml.pre"),
+            pre=g.get("tokenizer.ggml.pre"), eom_id=g.get("tokenizer.ggml.eom_token_id"),
+            fim_ids={kind: g.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_EOG_TEXTS},
         )
 
     # --- backends ---------------------------------------------------------------------------

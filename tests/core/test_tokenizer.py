@@ -123,3 +123,64 @@ def test_llama3_pre_tokenizer_is_llamacpps(qwen_path, tmp_path):
         assert ours.tokens.index("123") in ids and ours.tokens.index("678") in ids   # grouped, and taken whole
     finally:
         theirs.close()
+
+
+def _llama_cpp_eog(theirs) -> set[int]:
+    vocab = llama_cpp.llama_model_get_vocab(theirs.model)
+    return {i for i in range(theirs.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+
+
+def test_end_of_generation_tokens_are_llama_cpps(pair):
+    """The tokens that end a reply: llama.cpp's set exactly (qwen2.5-coder's include its
+    fill-in-the-middle pad, repo-name and file-separator tokens)."""
+    ours, theirs = pair
+    assert ours.eog_ids == _llama_cpp_eog(theirs)
+
+
+EOG_VOCABS = {
+    # Llama 3's <|end_of_text|> typed NORMAL, FIM tokens by text, an eom id from the file
+    "llama3-like": (["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|fim_pad|>", "<PAD>",
+                     "<|repo_name|>", "<|file_sep|>", "<|end|>"], {"tokenizer.ggml.eom_token_id": 3}),
+    # o200k_harmony: <|end|> is not one when <|return|> and <|call|> are
+    "harmony-like": (["<|start|>", "<|end|>", "<|return|>", "<|call|>", "<|message|>"], {}),
+    # the file names its FIM pad: the text search is skipped
+    "fim-key": (["<|fim_pad|>", "<fim-pad>", "<|endoftext|>", "</s>", "<eos>"], {"tokenizer.ggml.fim_pad_token_id": 1}),
+}
+
+
+@pytest.mark.parametrize("name", EOG_VOCABS)
+def test_end_of_generation_rules_on_small_vocabularies(tmp_path, name):
+    """llama.cpp's rules beyond the registry's vocabularies, on vocabulary-only GGUFs: texts that end
+    generation whatever their type, FIM tokens, the file's eom and FIM ids, and the harmony
+    exception. Every special text here is typed NORMAL in the file."""
+    import gguf
+    extra, keys = EOG_VOCABS[name]
+    tokens = [chr(ord("a") + i) for i in range(26)] + ["ab"] + extra
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(64)
+    w.add_head_count(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(0)
+    for key, value in keys.items():
+        w.add_uint32(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf(open_model(tmp_path / "v.gguf"))
+    theirs = llama_cpp.Llama(model_path=str(tmp_path / "v.gguf"), vocab_only=True, verbose=False)
+    try:
+        expected = _llama_cpp_eog(theirs)
+        assert ours.eog_ids == expected
+        assert len(expected) >= 3
+        text = "".join(extra)        # and the retyped tokens split a text as llama.cpp's do
+        assert ours.encode(text, special=True) == theirs.tokenize(text.encode(), add_bos=False, special=True)
+    finally:
+        theirs.close()
