@@ -1,9 +1,9 @@
 """Tokenizers built from the GGUF's own vocabulary, matching llama.cpp id for id.
 
 - tokenizer.ggml.model = "gpt2" (Qwen2/3, Llama 3): byte-level BPE through HF `tokenizers`, with the
-  pre-tokenizer regex llama.cpp picks for `tokenizer.ggml.pre` (qwen2's, or llama3's, which groups
-  digits by three and takes a pre-token that is a whole vocabulary entry as it is). Other pre types
-  get qwen2's regex: close, not token-exact.
+  pre-tokenizer regex llama.cpp picks for `tokenizer.ggml.pre` (qwen2's; llama3's, which groups
+  digits by three and takes a pre-token that is a whole vocabulary entry as it is; dbrx's; tekken's
+  and gpt-4o's, which split CamelCase). Other pre types get qwen2's regex: close, not token-exact.
 - tokenizer.ggml.model = "llama" (Gemma-3): SentencePiece BPE through `sentencepiece`, from a
   ModelProto we build from the GGUF's pieces and scores.
 
@@ -31,11 +31,26 @@ QWEN2_PRETOKENIZE = (
 )
 # ... and its "llama3" one (LLAMA_VOCAB_PRE_TYPE_LLAMA3): numbers in runs of up to three digits
 LLAMA3_PRETOKENIZE = QWEN2_PRETOKENIZE.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-# tokenizer.ggml.pre -> (regex, ignore_merges), as llama-vocab.cpp maps the names (a pre-token
-# that is itself in the vocabulary is taken whole under llama3's ignore_merges)
+# ... its "tekken" one (Mistral Nemo and later): words split where a lower-case letter meets an upper-case
+# one, as llama.cpp writes it (a letter outside a-z counts as upper case, outside A-Z as lower case),
+# single digits, and "/" kept with the punctuation before it
+_UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+TEKKEN_PRETOKENIZE = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+                      + _TAIL)
+# ... and its "gpt-4o" one (Phi-4-mini, Llama 4): tekken's words with English contractions, digits by three
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+GPT4O_PRETOKENIZE = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+                     rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}|\p{{N}}{{1,3}}" + _TAIL)
+# tokenizer.ggml.pre -> (regex, ignore_merges, add_bos when the file does not say), as
+# llama-vocab.cpp maps the names (a pre-token that is itself in the vocabulary is taken whole under
+# ignore_merges)
 BPE_PRETOKENIZERS = {
-    **{name: (QWEN2_PRETOKENIZE, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
-    **{name: (LLAMA3_PRETOKENIZE, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
+    **{name: (QWEN2_PRETOKENIZE, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    **{name: (LLAMA3_PRETOKENIZE, True, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
+    **{name: (LLAMA3_PRETOKENIZE, False, False) for name in ("dbrx", "smaug-bpe")},
+    "tekken": (TEKKEN_PRETOKENIZE, True, True),
+    **{name: (GPT4O_PRETOKENIZE, False, False) for name in ("gpt-4o", "llama4")},
 }
 # Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says, and types as control
 # tokens whatever the GGUF's types say (llama-vocab.cpp, llama_vocab::impl::load)
@@ -135,17 +150,18 @@ class Tokenizer:
         tokens = g.get("tokenizer.ggml.tokens")
         if not tokens:
             raise BadInputError(f"{g.path.name} has no tokenizer vocabulary")
-        model = g.get("tokenizer.ggml.model")
+        model, pre = g.get("tokenizer.ggml.model"), g.get("tokenizer.ggml.pre")
         types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        bos_by_default = model == "llama" or (model == "gpt2" and pre in BPE_PRETOKENIZERS and BPE_PRETOKENIZERS[pre][2])
         return cls(
             model=model, tokens=tokens, types=list(types), scores=g.get("tokenizer.ggml.scores"),
             merges=g.get("tokenizer.ggml.merges"),
             bos_id=g.get("tokenizer.ggml.bos_token_id"), eos_id=g.get("tokenizer.ggml.eos_token_id"),
-            add_bos=bool(g.get("tokenizer.ggml.add_bos_token", model == "llama")),
+            add_bos=bool(g.get("tokenizer.ggml.add_bos_token", bos_by_default)),
             add_space_prefix=bool(g.get("tokenizer.ggml.add_space_prefix", model == "llama")),
             eot_id=g.get("tokenizer.ggml.eot_token_id"), unk_id=g.get("tokenizer.ggml.unknown_token_id"),
             cache_key=f"{g.path.stem}-{g.file_size}-{int(g.path.stat().st_mtime)}",
-            pre=g.get("tokenizer.ggml.pre"), eom_id=g.get("tokenizer.ggml.eom_token_id"),
+            pre=pre, eom_id=g.get("tokenizer.ggml.eom_token_id"),
             fim_ids={kind: g.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_EOG_TEXTS},
         )
 
@@ -157,7 +173,7 @@ class Tokenizer:
 
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        regex, ignore_merges = BPE_PRETOKENIZERS.get(pre, (QWEN2_PRETOKENIZE, False))
+        regex, ignore_merges, _ = BPE_PRETOKENIZERS.get(pre, BPE_PRETOKENIZERS["qwen2"])
         hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                                     ignore_merges=ignore_merges))
         hf.pre_tokenizer = pre_tokenizers.Sequence([

@@ -184,3 +184,82 @@ def test_end_of_generation_rules_on_small_vocabularies(tmp_path, name):
         assert ours.encode(text, special=True) == theirs.tokenize(text.encode(), add_bos=False, special=True)
     finally:
         theirs.close()
+
+
+PRE_CORPUS = CORPUS + [
+    "CamelCaseWordsLikeThis and HTTPServer, getHTTPResponseCode(); XMLHttpRequest iPhone McDonald",
+    "paths a/b/c, ./run.sh --flag=/tmp/x; http://example.com/a?b=c&d=1 :/ ;/",
+    "It's DON'T we'LL they've I'M you'd SHE'S O'Neil rock'n'roll",
+    "digits 1 12 123 1234 12345 123456 1234567 v2.10.3 3x4 x86_64 ÉCOLE Élan naïve ÜberMensch",
+]
+
+
+def _byte_level_bpe(corpus: list[str], n_merges: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary learned from corpus without any pre-tokenization, so its merges
+    cross the boundaries a pre-tokenizer draws: a pre-tokenizer that splits elsewhere than
+    llama.cpp's gives other ids. -> (tokens, merges)"""
+    from core.tokenizer import _bytes_to_unicode
+    table = _bytes_to_unicode()
+    seqs = [[table[b] for b in text.encode()] for text in corpus]
+    tokens, merges = [table[b] for b in range(256)], []
+    for _ in range(n_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for seq in seqs:
+            for pair in zip(seq, seq[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = max(counts, key=lambda p: (counts[p], p))
+        merged = best[0] + best[1]
+        merges.append(f"{best[0]} {best[1]}")
+        tokens.append(merged)
+        for j, seq in enumerate(seqs):
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            seqs[j] = out
+    return tokens, merges
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o"])
+def test_bpe_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
+    """Each pre-tokenizer name we know (Qwen, Llama 3, Phi-4's dbrx, Mistral Nemo's tekken,
+    Phi-4-mini's gpt-4o) gives llama.cpp's ids on a vocabulary whose merges cross word, case, digit
+    and punctuation boundaries; and the add-BOS default it implies when the file does not say."""
+    import gguf
+    tokens, merges = _byte_level_bpe(PRE_CORPUS, 400)
+    tokens.append("<|endoftext|>")
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(64)
+    w.add_head_count(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 1)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf(open_model(tmp_path / "v.gguf"))
+    theirs = llama_cpp.Llama(model_path=str(tmp_path / "v.gguf"), vocab_only=True, verbose=False)
+    try:
+        for text in PRE_CORPUS:
+            assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=False, special=False), repr(text)
+        assert ours.add_bos == bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(theirs.model)))
+    finally:
+        theirs.close()
+    if pre != "qwen2":     # not vacuous: qwen2's splits give other ids on this vocabulary
+        from core import tokenizer as tk
+        qwen_split = Tokenizer("gpt2", tokens, [1] * len(tokens), None, merges, None, None, False, False, pre="qwen2")
+        assert any(qwen_split.encode(t) != ours.encode(t) for t in PRE_CORPUS), tk.BPE_PRETOKENIZERS[pre]
