@@ -30,6 +30,17 @@ ROPE_SCALING_TYPES = ("none", "linear")
 # architecture we run but llama with rope.scaling.type "longrope", which we do not.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 LONGROPE_ARCHS = ("phi3",)
+# Every tensor the engines read (a layer's as blk.N.<name>). A file with any other (biases of the
+# output projection or the FFN, a mixture of experts' routers and experts) would run without it
+# and compute something else than llama.cpp does, so it is refused (and --backend auto hands it to
+# llama.cpp).
+KNOWN_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",
+                           *LONGROPE_TENSORS})
+KNOWN_LAYER_TENSORS = frozenset({
+    "attn_norm.weight", "attn_qkv.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
+    "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight", "attn_output.weight",
+    "post_attention_norm.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+    "post_ffw_norm.weight"})
 
 
 def load_config(g: "GGUFFile", n_ctx: int | None = None) -> "DecoderConfig":

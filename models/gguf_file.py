@@ -25,7 +25,8 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.types import SUPPORTED as SUPPORTED_TYPES
-from models.architectures import ARCHITECTURES, LONGROPE_ARCHS, LONGROPE_TENSORS, ROPE_SCALING_TYPES
+from models.architectures import (ARCHITECTURES, KNOWN_LAYER_TENSORS, KNOWN_TENSORS, LONGROPE_ARCHS, LONGROPE_TENSORS,
+                                  ROPE_SCALING_TYPES)
 from models.errors import BadInputError, env_choice
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -294,6 +295,10 @@ class GGUFFile:
             return f"rope scaling '{scaling}'"
         if self.arch not in LONGROPE_ARCHS and any(name in self.tensors for name in LONGROPE_TENSORS):
             return "LongRoPE rope scaling"
+        unknown = next((name for name in self.tensors if name not in KNOWN_TENSORS and not (
+            name.startswith("blk.") and name.split(".", 2)[-1] in KNOWN_LAYER_TENSORS)), None)
+        if unknown is not None:
+            return f"tensor {unknown}"
         bad = sorted({t.type_name for t in self.tensors.values() if t.ggml_type not in SUPPORTED_TYPES})
         if bad:
             return f"tensor type{'s' if len(bad) > 1 else ''} {', '.join(bad)}"

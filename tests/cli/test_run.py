@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import pytest
 
 from tests.conftest import run_kvchat
@@ -161,6 +162,15 @@ def test_backend_auto_hands_what_the_engine_lacks_to_llamacpp(tmp_path):
     info = run_kvchat("models", "info", str(iq))
     assert "CPU kernels" not in info.stdout.decode()        # llama.cpp runs this file
     assert info.returncode == 0 and "llama.cpp (kvchat's engine does not run tensor type TQ2_0 yet)" in info.stdout.decode()
+
+    # a tensor the engine does not read (llama.cpp's optional attention-output bias) goes the same way
+    from tests.engine.conftest import N_EMBD
+    biased = write_tiny_model(tmp_path / "bo.gguf", "llama", "Q8_0",
+                              extra={"blk.0.attn_output.bias": np.full(N_EMBD, 0.5, np.float32)})
+    auto = run_kvchat("run", "-m", str(biased), *greedy)
+    assert auto.returncode == 0, auto.stderr.decode()
+    assert "kvchat's engine does not run tensor blk.0.attn_output.bias yet; using llama.cpp\n" in auto.stderr.decode()
+    assert auto.stdout == run_kvchat("run", "-m", str(biased), "--backend", "llama.cpp", *greedy).stdout
 
     neither = write_gguf(tmp_path / "mamba.gguf", arch="mamba")     # no vocabulary, no layers
     for backend in ((), ("--backend", "llama.cpp"), ("--backend", "native")):

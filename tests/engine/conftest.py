@@ -65,7 +65,7 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
 def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None,
                      rope_scaling: str | None = None,
                      softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP),
-                     f32_twin: bool = False, sliding_window: int = 0) -> Path:
+                     f32_twin: bool = False, sliding_window: int = 0, extra: dict | None = None) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
     or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN), or phi3's
@@ -74,7 +74,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     softcaps: gemma2's attention and final logit soft-caps. f32_twin: the same model with every
     quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
     compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
-    carry (llama); the gemmas always have theirs."""
+    carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays)."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -160,6 +160,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
             mat(p + "ffn_gate.weight", N_FF, N_EMBD, 0.1)
             mat(p + "ffn_up.weight", N_FF, N_EMBD, 0.1)
         mat(p + "ffn_down.weight", N_EMBD, N_FF, 0.05)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
