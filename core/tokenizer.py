@@ -101,6 +101,20 @@ def llama_eog(tokens: Sequence[str], types: list[int], ids: Sequence[int | None]
     return frozenset(i for i in eog if 0 <= i < len(tokens))
 
 
+_C_SPACE = " \t\n\v\f\r"      # C's isspace
+
+
+def _rstrip_ids(tokens: Sequence[str], types: list[int], name: str | None) -> frozenset[int]:
+    """The special tokens that take the whitespace after them along: llama.cpp gives every special
+    token of a model whose general.name says Phi-3 ("phi-3" or "phi3", any case) that attribute,
+    and "</s>", but not "<unk>", "<s>" and "<|endoftext|>" (llama_vocab::impl::load)."""
+    if not name or not any(k in name.lower() for k in ("phi-3", "phi3")):
+        return frozenset()
+    special = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED, UNKNOWN)}
+    special |= {i for i, t in enumerate(tokens) if t == "</s>"}
+    return frozenset(i for i in special if tokens[i] not in ("<unk>", "<s>", "<|endoftext|>"))
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -121,7 +135,7 @@ class Tokenizer:
                  merges: list[str] | None, bos_id: int | None, eos_id: int | None, add_bos: bool,
                  add_space_prefix: bool, eot_id: int | None = None, unk_id: int | None = None,
                  cache_key: str | None = None, pre: str | None = None, eom_id: int | None = None,
-                 fim_ids: dict[str, int | None] | None = None):
+                 fim_ids: dict[str, int | None] | None = None, name: str | None = None):
         self.model = model
         self.tokens = tokens
         types = list(types)
@@ -134,8 +148,9 @@ class Tokenizer:
         self.unk_id = unk_id
         self._cache_key = cache_key
         self._piece_cache: dict[int, bytes] = {}
-        # (text, id, is_control) longest first: the order llama.cpp tries them in
-        specials = [(t, i, types[i] in (CONTROL, UNKNOWN)) for i, t in enumerate(tokens)
+        # (text, id, is_control, rstrip) longest first: the order llama.cpp tries them in
+        rstrip = _rstrip_ids(tokens, types, name)
+        specials = [(t, i, types[i] in (CONTROL, UNKNOWN), i in rstrip) for i, t in enumerate(tokens)
                     if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) and t]
         self._specials = sorted(specials, key=lambda s: -len(s[0]))
         if model == "gpt2":
@@ -163,6 +178,7 @@ class Tokenizer:
             cache_key=f"{g.path.stem}-{g.file_size}-{int(g.path.stat().st_mtime)}",
             pre=pre, eom_id=g.get("tokenizer.ggml.eom_token_id"),
             fim_ids={kind: g.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_EOG_TEXTS},
+            name=g.get("general.name"),
         )
 
     # --- backends ---------------------------------------------------------------------------
@@ -263,7 +279,7 @@ class Tokenizer:
 
     def _partition(self, text: str, special: bool) -> list[str | int]:
         fragments: list[str | int] = [text]
-        for token_text, token_id, is_control in self._specials:
+        for token_text, token_id, is_control, rstrip in self._specials:
             if is_control and not special:
                 continue
             if token_text not in text:
@@ -277,6 +293,8 @@ class Tokenizer:
                 for j, part in enumerate(parts):
                     if j:
                         out.append(token_id)
+                        if rstrip:                      # the whitespace after it goes with it
+                            part = part.lstrip(_C_SPACE)
                     if part:
                         out.append(part)
             fragments = out

@@ -263,3 +263,47 @@ def test_bpe_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
         from core import tokenizer as tk
         qwen_split = Tokenizer("gpt2", tokens, [1] * len(tokens), None, merges, None, None, False, False, pre="qwen2")
         assert any(qwen_split.encode(t) != ours.encode(t) for t in PRE_CORPUS), tk.BPE_PRETOKENIZERS[pre]
+
+
+@pytest.mark.parametrize("name", ["Phi3", "phi-3-mini-4k-instruct", "Phi 3.5 Mini Instruct", None])
+def test_phi3_special_tokens_take_the_whitespace_after_them(tmp_path, name):
+    """llama.cpp strips the whitespace right of a special token in a model whose general.name says
+    Phi-3 ("phi3" or "phi-3"; not "Phi 3.5"), but not after <s>, <unk> or <|endoftext|>: the same
+    ids as llama.cpp's for a Phi-3 chat prompt, with and without that name."""
+    import gguf
+    from tests.engine.conftest import vocab
+    tokens, scores, types = vocab()
+    for text, kind in (("<|user|>", 3), ("<|end|>", 3), ("<|assistant|>", 3), ("<|endoftext|>", 3), ("<|tool|>", 4)):
+        tokens.append(text)
+        scores.append(0.0)
+        types.append(kind)
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    if name:
+        w.add_name(name)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(64)
+    w.add_head_count(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf(open_model(tmp_path / "v.gguf"))
+    theirs = llama_cpp.Llama(model_path=str(tmp_path / "v.gguf"), vocab_only=True, verbose=False)
+    prompt = ("<s> <|user|>\n the cat<|end|>\n\t<|assistant|>  a dog </s> \n<|endoftext|> sat <|tool|>\n on"
+              "<unk> mat<|end|>")
+    try:
+        for special in (True, False):
+            assert ours.encode(prompt, special=special) == theirs.tokenize(prompt.encode(), add_bos=False, special=special)
+    finally:
+        theirs.close()
+    stripped = ours.encode("<|user|>\n the cat", special=True)[1:] == ours.encode("the cat")
+    assert stripped == (name in ("Phi3", "phi-3-mini-4k-instruct"))
