@@ -2,8 +2,8 @@
 
 - embeddings scaled by sqrt(n_embd); RMSNorm weights used as stored (the converter wrote 1 + w);
 - norms after attention and after the MLP; GeGLU (tanh gelu) MLP; neox rope; no Q/K norm;
-- sliding-window attention on every other layer (layer il is local iff il % 2 == 0; the period is
-  `gemma2.attention.sliding_window_pattern` where the file has it), window
+- sliding-window attention on every other layer (layer il is local iff il % 2 == 0; or as
+  `gemma2.attention.sliding_window_pattern` says, models.transformer.swa_layers), window
   `gemma2.attention.sliding_window` (4096 when absent), one rope base (and rope scaling) for all
   layers unless the file gives `rope.freq_base_swa`;
 - Q times 1/sqrt(key_length) before attention (the 27B, 46 layers: 1/sqrt(n_embd / n_head));
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kernels.cpu.libm import inv_sqrtf, sqrtf
 from models.gguf_file import GGUFFile
-from models.transformer import DecoderConfig
+from models.transformer import DecoderConfig, swa_layers
 
 SWA_PATTERN = 2
 DEFAULT_WINDOW = 4096
@@ -39,10 +39,9 @@ class Gemma2Config(DecoderConfig):
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Gemma2Config":
         c = cls.common_from_gguf(g)
-        pattern = g.arch_get("attention.sliding_window_pattern")
         return cls(**c, **gemma_family(c, 46),
                    sliding_window=int(g.arch_get("attention.sliding_window") or DEFAULT_WINDOW),
-                   swa_pattern=int(pattern) if isinstance(pattern, int) and pattern > 0 else SWA_PATTERN,
+                   local_layers=swa_layers(g, c["n_layer"], SWA_PATTERN),
                    rope_base_local=float(g.arch_get("rope.freq_base_swa") or c["rope_base"]),
                    attn_softcap=float(g.arch_get("attn_logit_softcapping") or DEFAULT_ATTN_SOFTCAP),
                    final_softcap=float(g.arch_get("final_logit_softcapping") or DEFAULT_FINAL_SOFTCAP))

@@ -295,6 +295,11 @@ class GGUFFile:
             return f"rope scaling '{scaling}'"
         if self.arch not in LONGROPE_ARCHS and any(name in self.tensors for name in LONGROPE_TENSORS):
             return "LongRoPE rope scaling"
+        value_len, n_head = self.arch_get("attention.value_length"), self.arch_get("attention.head_count")
+        if isinstance(value_len, int) and isinstance(n_head, int) and n_head > 0:   # (the engines' K and V heads are one size)
+            key_len = self.arch_get("attention.key_length") or int(self.arch_get("embedding_length") or 0) // n_head
+            if value_len != key_len:
+                return f"key heads of {key_len} and value heads of {value_len}"
         unknown = next((name for name in self.tensors if name not in KNOWN_TENSORS and not (
             name.startswith("blk.") and name.split(".", 2)[-1] in KNOWN_LAYER_TENSORS)), None)
         if unknown is not None:

@@ -51,7 +51,7 @@ class DecoderConfig:
     attn_scale: float = 0.0               # 0 -> 1/sqrt(head_dim)
     scale_q: bool = False                 # multiply Q by attn_scale before attention (gemma3), not the scores
     sliding_window: int = 0
-    swa_pattern: int = 0                  # every swa_pattern-th layer is global, the rest local; 0 = none
+    local_layers: tuple[bool, ...] = ()   # which layers attend within sliding_window (swa_layers); () = none
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
     rope_freq_scale_local: float = 0.0    # rope_freq_scale of sliding-window layers (0 -> rope_freq_scale)
     rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3, LongRoPE)
@@ -70,8 +70,9 @@ class DecoderConfig:
             raise BadInputError(f"{self.n_head} query heads do not split into {self.n_head_kv} kv groups")
         if self.attn_scale == 0.0:
             object.__setattr__(self, "attn_scale", float(inv_sqrtf(self.head_dim)))   # ggml's float32 rounding
-        local = [self.swa_pattern > 0 and self.sliding_window > 0 and il % self.swa_pattern < self.swa_pattern - 1
-                 for il in range(self.n_layer)]
+        if self.local_layers and len(self.local_layers) != self.n_layer:
+            raise BadInputError(f"a sliding-window pattern of {len(self.local_layers)} layers for {self.n_layer}")
+        local = [self.sliding_window > 0 and bool(self.local_layers) and self.local_layers[il] for il in range(self.n_layer)]
         object.__setattr__(self, "layer_window", tuple(self.sliding_window if loc else 0 for loc in local))
         rope_local = (self.rope_base_local or self.rope_base, self.rope_freq_scale_local or self.rope_freq_scale)
         object.__setattr__(self, "layer_rope", tuple(rope_local if loc else (self.rope_base, self.rope_freq_scale)
@@ -124,12 +125,25 @@ class DecoderConfig:
 
 
 def rope_freq_scale(g: GGUFFile) -> float:
-    """llama.cpp's rope_freq_scale_train: 1 / rope.scaling.factor under linear scaling, else 1."""
-    kind = g.arch_get("rope.scaling.type") or "none"
+    """llama.cpp's rope_freq_scale_train: 1 / rope.scaling.factor (or the older key
+    rope.scale_linear) under linear scaling, which is what a file with no rope.scaling.type gets;
+    else 1."""
+    kind = g.arch_get("rope.scaling.type") or "linear"
     if kind not in ROPE_SCALING_TYPES:
         raise BadInputError(f"{g.path.name}: rope scaling '{kind}' is not supported")
-    factor = float(g.arch_get("rope.scaling.factor") or 0.0)
+    factor = float(g.arch_get("rope.scaling.factor") or g.arch_get("rope.scale_linear") or 0.0)
     return 1.0 / factor if kind == "linear" and factor > 0 else 1.0
+
+
+def swa_layers(g: GGUFFile, n_layer: int, period: int) -> tuple[bool, ...]:
+    """Which layers attend within the sliding window, as llama.cpp's load_swa_pattern reads
+    `attention.sliding_window_pattern`: an array of per-layer flags, or a period n (layer il is
+    local iff il % n < n - 1; 0: every layer), `period` when the file has neither."""
+    value = g.arch_get("attention.sliding_window_pattern")
+    if isinstance(value, (list, tuple)):
+        return tuple(bool(v) for v in value)
+    n = int(value) if isinstance(value, int) and value >= 0 else period
+    return tuple(n == 0 or il % n < n - 1 for il in range(n_layer))
 
 
 def rope_factors(g: GGUFFile, name: str, n_rot: int) -> tuple[float, ...]:

@@ -65,7 +65,8 @@ def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[n
 def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base: float | None = None,
                      rope_scaling: str | None = None,
                      softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP),
-                     f32_twin: bool = False, sliding_window: int = 0, extra: dict | None = None) -> Path:
+                     f32_twin: bool = False, sliding_window: int = 0, extra: dict | None = None,
+                     meta: tuple = ()) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
     or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN), or phi3's
@@ -74,7 +75,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     softcaps: gemma2's attention and final logit soft-caps. f32_twin: the same model with every
     quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
     compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
-    carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays)."""
+    carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays).
+    meta: more `{arch}.` keys, ((suffix, value), ...): a float, an int (uint32) or a list of bools."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -103,6 +105,13 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     if rope_scaling in ("longrope", "longrope-short"):   # as phi3's converter writes them
         w.add_rope_scaling_orig_ctx_len(128 if rope_scaling == "longrope" else 256)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(4096)))   # a 128k model's
+    for suffix, value in meta:
+        if isinstance(value, list):
+            w.add_array(f"{arch}.{suffix}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{arch}.{suffix}", value)
+        else:
+            w.add_uint32(f"{arch}.{suffix}", value)
     tokens, scores, types = vocab()
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -176,19 +185,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False, sliding_window=0) ->
+    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False, sliding_window=0, meta=()) ->
     (GGUFFile, Tokenizer), written once per session."""
     made = {}
 
     def make(arch: str, qtype: str, rope_base: float | None = None, rope_scaling: str | None = None,
-             f32_twin: bool = False, sliding_window: int = 0):
-        key = arch, qtype, rope_base, rope_scaling, f32_twin, sliding_window
+             f32_twin: bool = False, sliding_window: int = 0, meta: tuple = ()):
+        key = arch, qtype, rope_base, rope_scaling, f32_twin, sliding_window, repr(meta)
         if key not in made:
             name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "") + (f"-{rope_scaling}" if rope_scaling else "")
-            name += f"-swa{sliding_window}" if sliding_window else ""
+            name += (f"-swa{sliding_window}" if sliding_window else "") + (f"-meta{len(made)}" if meta else "")
             path = write_tiny_model(tiny_model_dir / f"{name}{'-twin' if f32_twin else ''}.gguf", arch, qtype,
                                     rope_base=rope_base, rope_scaling=rope_scaling, f32_twin=f32_twin,
-                                    sliding_window=sliding_window)
+                                    sliding_window=sliding_window, meta=meta)
             g = open_model(path)
             made[key] = (g, Tokenizer.from_gguf(g))
         return made[key]

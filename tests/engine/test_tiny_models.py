@@ -118,6 +118,37 @@ def test_rope_scaling_is_read_from_the_file(tiny_model):
         assert np.abs(logits(arch, base, scaling) - logits(arch, base)).max() > 1e-2, (arch, scaling)
 
 
+# Metadata that changes the arithmetic, each as llama.cpp reads it: a rope.scaling.factor with no
+# type (linear), the older rope.scale_linear key, gemma3's optional final soft-cap, and the
+# sliding-window pattern as a period (0: every layer local) or as per-layer flags.
+META_CASES = [
+    ("llama", (("rope.scaling.factor", 4.0),)),
+    ("llama", (("rope.scale_linear", 2.0),)),
+    ("gemma3", (("final_logit_softcapping", 3.0),)),
+    ("gemma3", (("attention.sliding_window_pattern", 3),)),
+    ("gemma3", (("attention.sliding_window_pattern", 0),)),
+    ("gemma2", (("attention.sliding_window_pattern", [False, True, True, False]),)),
+]
+
+
+@pytest.mark.parametrize("arch,meta", META_CASES, ids=[f"{a}-{m[0][0]}-{m[0][1]}" for a, m in META_CASES])
+def test_metadata_read_as_llamacpp_reads_it(arch, meta, tiny_model):
+    """Each key changes the logits (against the same weights without it), and llama.cpp agrees bit
+    for bit."""
+    g, tok = tiny_model(arch, "Q8_0", meta=meta)
+    native = NativeBackend(g, tok, 256, 2)
+    try:
+        ours = native.logits_all(IDS)
+    finally:
+        native.close()
+    np.testing.assert_array_equal(ours, _llama_logits(g, tok))
+    plain = NativeBackend(*tiny_model(arch, "Q8_0"), 256, 2)
+    try:
+        assert np.abs(ours - plain.logits_all(IDS)).max() > 1e-2
+    finally:
+        plain.close()
+
+
 def test_longrope_picks_its_factors_by_context_as_llamacpp_does(tiny_model):
     """phi3's LongRoPE: the short factors while the context (rounded up to 256, as llama.cpp pads it)
     is within the file's original context, the long ones past it; each set changes the logits, and

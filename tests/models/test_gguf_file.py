@@ -105,13 +105,15 @@ def test_unsupported_rope_scaling(tmp_path):
 def test_tensors_the_engines_do_not_read_are_named(tmp_path):
     """A tensor the engines would skip (llama.cpp's optional output and FFN biases, a mixture of
     experts' router) would change what llama.cpp computes: such files are refused by name."""
-    from tests.engine.conftest import N_EMBD, N_FF, write_tiny_model
+    from tests.engine.conftest import HEAD_DIM, N_EMBD, N_FF, write_tiny_model
     for name, shape in (("blk.1.attn_output.bias", (N_EMBD,)), ("blk.0.ffn_down.bias", (N_EMBD,)),
                         ("blk.0.ffn_gate_inp.weight", (8, N_FF)), ("output.bias", (N_EMBD,))):
         g = open_model(write_tiny_model(tmp_path / f"{name}.gguf", "llama", "F32",
                                         extra={name: np.zeros(shape, np.float32)}))
         assert g.unsupported() == f"tensor {name}"
     assert open_model(write_tiny_model(tmp_path / "plain.gguf", "qwen2", "F32")).unsupported() is None
+    g = open_model(write_tiny_model(tmp_path / "kv.gguf", "llama", "F32", meta=(("attention.value_length", 32),)))
+    assert g.unsupported() == f"key heads of {HEAD_DIM} and value heads of 32"      # llama's key heads: n_embd / n_head
 
 
 def test_unsupported_tensor_type(tmp_path):
