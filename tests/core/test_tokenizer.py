@@ -125,6 +125,34 @@ def test_llama3_pre_tokenizer_is_llamacpps(qwen_path, tmp_path):
         theirs.close()
 
 
+def vocab_only(path, tokens: list[str], types: list[int], model: str = "gpt2", keys: dict | None = None,
+               **writer) -> tuple[Tokenizer, "llama_cpp.Llama"]:
+    """A vocabulary-only GGUF (llama architecture, no tensors) -> (our tokenizer of it, llama.cpp's
+    vocab_only load of it; close it). keys: more uint32 keys by full name; writer: GGUFWriter.add_<name>
+    calls (pre="qwen2" -> add_tokenizer_pre, merges, scores, name, bos_token_id, ...)."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(64)
+    w.add_head_count(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    adders = {"pre": w.add_tokenizer_pre, "merges": w.add_token_merges, "scores": w.add_token_scores}
+    for name, value in writer.items():
+        adders.get(name, getattr(w, f"add_{name}", None))(value)
+    for key, value in (keys or {}).items():
+        w.add_uint32(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return (Tokenizer.from_gguf(open_model(path)),
+            llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False))
+
+
 def _llama_cpp_eog(theirs) -> set[int]:
     vocab = llama_cpp.llama_model_get_vocab(theirs.model)
     return {i for i in range(theirs.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)}
@@ -153,29 +181,10 @@ def test_end_of_generation_rules_on_small_vocabularies(tmp_path, name):
     """llama.cpp's rules beyond the registry's vocabularies, on vocabulary-only GGUFs: texts that end
     generation whatever their type, FIM tokens, the file's eom and FIM ids, and the harmony
     exception. Every special text here is typed NORMAL in the file."""
-    import gguf
     extra, keys = EOG_VOCABS[name]
     tokens = [chr(ord("a") + i) for i in range(26)] + ["ab"] + extra
-    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(64)
-    w.add_head_count(1)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * len(tokens))
-    w.add_token_merges(["a b"])
-    w.add_eos_token_id(0)
-    for key, value in keys.items():
-        w.add_uint32(key, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    ours = Tokenizer.from_gguf(open_model(tmp_path / "v.gguf"))
-    theirs = llama_cpp.Llama(model_path=str(tmp_path / "v.gguf"), vocab_only=True, verbose=False)
+    ours, theirs = vocab_only(tmp_path / "v.gguf", tokens, [1] * len(tokens), keys=keys, pre="qwen2",
+                              merges=["a b"], eos_token_id=0)
     try:
         expected = _llama_cpp_eog(theirs)
         assert ours.eog_ids == expected
@@ -231,28 +240,10 @@ def test_bpe_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
     """Each pre-tokenizer name we know (Qwen, Llama 3, Phi-4's dbrx, Mistral Nemo's tekken,
     Phi-4-mini's gpt-4o) gives llama.cpp's ids on a vocabulary whose merges cross word, case, digit
     and punctuation boundaries; and the add-BOS default it implies when the file does not say."""
-    import gguf
     tokens, merges = _byte_level_bpe(PRE_CORPUS, 400)
     tokens.append("<|endoftext|>")
-    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(64)
-    w.add_head_count(1)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - 1) + [3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 1)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    ours = Tokenizer.from_gguf(open_model(tmp_path / "v.gguf"))
-    theirs = llama_cpp.Llama(model_path=str(tmp_path / "v.gguf"), vocab_only=True, verbose=False)
+    ours, theirs = vocab_only(tmp_path / "v.gguf", tokens, [1] * (len(tokens) - 1) + [3], pre=pre, merges=merges,
+                              bos_token_id=len(tokens) - 1, eos_token_id=len(tokens) - 1)
     try:
         for text in PRE_CORPUS:
             assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=False, special=False), repr(text)
@@ -270,34 +261,14 @@ def test_phi3_special_tokens_take_the_whitespace_after_them(tmp_path, name):
     """llama.cpp strips the whitespace right of a special token in a model whose general.name says
     Phi-3 ("phi3" or "phi-3"; not "Phi 3.5"), but not after <s>, <unk> or <|endoftext|>: the same
     ids as llama.cpp's for a Phi-3 chat prompt, with and without that name."""
-    import gguf
     from tests.engine.conftest import vocab
     tokens, scores, types = vocab()
     for text, kind in (("<|user|>", 3), ("<|end|>", 3), ("<|assistant|>", 3), ("<|endoftext|>", 3), ("<|tool|>", 4)):
         tokens.append(text)
         scores.append(0.0)
         types.append(kind)
-    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
-    if name:
-        w.add_name(name)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(64)
-    w.add_head_count(1)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.close()
-    ours = Tokenizer.from_gguf(open_model(tmp_path / "v.gguf"))
-    theirs = llama_cpp.Llama(model_path=str(tmp_path / "v.gguf"), vocab_only=True, verbose=False)
+    ours, theirs = vocab_only(tmp_path / "v.gguf", tokens, types, "llama", scores=scores, unk_token_id=0,
+                              bos_token_id=1, eos_token_id=2, **({"name": name} if name else {}))
     prompt = ("<s> <|user|>\n the cat<|end|>\n\t<|assistant|>  a dog </s> \n<|endoftext|> sat <|tool|>\n on"
               "<unk> mat<|end|>")
     try:

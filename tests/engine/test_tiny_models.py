@@ -38,6 +38,19 @@ def _llama_logits(g, tok):
         ll.close()
 
 
+def _native_logits(g, tok, n_ctx=256, disk_arithmetic: list | None = None):
+    """The native engine's logits_all(IDS) on this file (appending its disk cache's arithmetic tag
+    to disk_arithmetic when given)."""
+    native = NativeBackend(g, tok, n_ctx, 2)
+    try:
+        if disk_arithmetic is not None:
+            native.attach_disk(g.path)
+            disk_arithmetic.append(native.disk.fmt.arithmetic)
+        return native.logits_all(IDS)
+    finally:
+        native.close()
+
+
 def _check(native, ref, tol, what):
     scale = np.abs(ref).max()
     diff = np.abs(native - ref).max()
@@ -107,15 +120,9 @@ def test_rope_scaling_is_read_from_the_file(tiny_model):
     """The rope-scaling cases above are not vacuous: the same weights with Llama 3's frequency
     factors, or with linear scaling (gemma3: its one global layer of six), give other logits than
     without (and llama.cpp agrees bit for bit with each, above)."""
-    def logits(arch, base, scaling=None):
-        g, tok = tiny_model(arch, "Q8_0", base, scaling)
-        native = NativeBackend(g, tok, 256, 2)
-        try:
-            return native.logits_all(IDS)
-        finally:
-            native.close()
     for arch, base, scaling in (("llama", 5e5, "llama3"), ("llama", 1e4, "linear"), ("gemma3", None, "linear")):
-        assert np.abs(logits(arch, base, scaling) - logits(arch, base)).max() > 1e-2, (arch, scaling)
+        scaled, plain = _native_logits(*tiny_model(arch, "Q8_0", base, scaling)), _native_logits(*tiny_model(arch, "Q8_0", base))
+        assert np.abs(scaled - plain).max() > 1e-2, (arch, scaling)
 
 
 # Metadata that changes the arithmetic, each as llama.cpp reads it: a rope.scaling.factor with no
@@ -136,17 +143,9 @@ def test_metadata_read_as_llamacpp_reads_it(arch, meta, tiny_model):
     """Each key changes the logits (against the same weights without it), and llama.cpp agrees bit
     for bit."""
     g, tok = tiny_model(arch, "Q8_0", meta=meta)
-    native = NativeBackend(g, tok, 256, 2)
-    try:
-        ours = native.logits_all(IDS)
-    finally:
-        native.close()
+    ours = _native_logits(g, tok)
     np.testing.assert_array_equal(ours, _llama_logits(g, tok))
-    plain = NativeBackend(*tiny_model(arch, "Q8_0"), 256, 2)
-    try:
-        assert np.abs(ours - plain.logits_all(IDS)).max() > 1e-2
-    finally:
-        plain.close()
+    assert np.abs(ours - _native_logits(*tiny_model(arch, "Q8_0"))).max() > 1e-2
 
 
 def test_longrope_picks_its_factors_by_context_as_llamacpp_does(tiny_model):
@@ -158,18 +157,10 @@ def test_longrope_picks_its_factors_by_context_as_llamacpp_does(tiny_model):
     assert load_config(g, 256).rope_tag == "/rope-short" and load_config(g, 257).rope_tag == "/rope-long"
     assert load_config(g, 256).rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-6)
 
-    def native_logits(gguf_tok, n_ctx):
-        native = NativeBackend(*gguf_tok, n_ctx, 2)
-        try:
-            native.attach_disk(gguf_tok[0].path)
-            arithmetic.append(native.disk.fmt.arithmetic)
-            return native.logits_all(IDS)
-        finally:
-            native.close()
     arithmetic = []
-    short, long = native_logits((g, tok), 256), native_logits((g, tok), 257)
+    short, long = _native_logits(g, tok, 256, arithmetic), _native_logits(g, tok, 257, arithmetic)
     assert arithmetic[0].endswith("/rope-short") and arithmetic[1].endswith("/rope-long")
-    plain = native_logits(tiny_model("phi3", "Q8_0", 1e4), 256)
+    plain = _native_logits(*tiny_model("phi3", "Q8_0", 1e4))
     assert np.abs(short - long).max() > 1e-2 and np.abs(short - plain).max() > 1e-2
     ll = LlamaCppBackend(g, tok, 257, 2, logits_all=True)
     try:
@@ -184,17 +175,9 @@ def test_mistral_sliding_window_is_ignored_as_llamacpp_does(tiny_model):
     engine gives its logits bit for bit, the same as without the key."""
     g, tok = tiny_model("llama", "Q8_0", sliding_window=8)
     assert g.arch_get("attention.sliding_window") == 8
-    native = NativeBackend(g, tok, 256, 2)
-    try:
-        ours = native.logits_all(IDS)
-    finally:
-        native.close()
+    ours = _native_logits(g, tok)
     np.testing.assert_array_equal(ours, _llama_logits(g, tok))
-    plain = NativeBackend(*tiny_model("llama", "Q8_0"), 256, 2)
-    try:
-        np.testing.assert_array_equal(ours, plain.logits_all(IDS))
-    finally:
-        plain.close()
+    np.testing.assert_array_equal(ours, _native_logits(*tiny_model("llama", "Q8_0")))
 
 
 def test_gemma2_soft_caps_bend_these_models(tiny_model, tmp_path):
