@@ -24,8 +24,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by
-# 1 / rope.scaling.factor. YaRN is not built yet (GGUFFile.unsupported says so).
-ROPE_SCALING_TYPES = ("none", "linear")
+# 1 / rope.scaling.factor; "yarn" mixes scaled and unscaled angles along the rotary pairs and scales
+# cos and sin (kernels.cpu.rope_table, models.transformer.DecoderConfig.rope_scaling).
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 # LongRoPE's factor tensors: phi3 runs them (models.phi3); llama.cpp reads them in no other
 # architecture we run but llama with rope.scaling.type "longrope", which we do not.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")

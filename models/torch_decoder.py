@@ -231,8 +231,7 @@ class TorchDecoder:
         if layer.bq is not None:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         rope_args = (positions, layer.rope[0], cfg.rope_neox, cfg.n_rot)
-        rope_scaling = dict(freq_factors=self.rope_factors, freq_scale=layer.rope[1],
-                            attn_factor=cfg.rope_attn_factor)
+        rope_scaling = {**cfg.rope_scaling(*layer.rope), "freq_factors": self.rope_factors}   # (factors on the device)
         q = norm_rope(q.view(T, Hq, hd), layer.q_norm, cfg.norm_eps, *rope_args, **rope_scaling)   # (no q_norm: rope)
         k = norm_rope(k.view(T, Hkv, hd), layer.k_norm, cfg.norm_eps, *rope_args, **rope_scaling)
         if cfg.scale_q:

@@ -21,7 +21,7 @@ import numpy as np
 
 from kernels.cpu import QMatrix, fused, rope_table
 from kernels.cpu.attention import attention_plan
-from kernels.cpu.libm import inv_sqrtf
+from kernels.cpu.libm import inv_sqrtf, rope_yarn_corr_dims, yarn_mscale
 from kernels.cpu.ops import gelu_table
 from kernels.cpu.qdot import EXACT_TYPES, Q8Buffers, exact_layout, has_exact_kernel, layout_prefix, run_arrays
 from kernels.types import TRAITS
@@ -59,6 +59,7 @@ class DecoderConfig:
     rope_attn_factor: float = 1.0         # cos and sin times this (rope.scaling.attn_factor: LongRoPE's)
     longrope: tuple = ()                  # LongRoPE: (short factors, long factors, original context); for_context picks
     rope_long: bool = False               # LongRoPE: rope_freq_factors are the long ones
+    rope_yarn_ctx: int = 0                # YaRN: the original context its ramp is computed for (0: no YaRN)
     attn_softcap: float = 0.0             # attention scores soft-capped at this before the softmax (gemma2)
     final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
     # derived in __post_init__
@@ -94,10 +95,20 @@ class DecoderConfig:
         """What of the rope a cached K depends on beyond the file: LongRoPE's chosen factor set."""
         return ("/rope-long" if self.rope_long else "/rope-short") if self.longrope else ""
 
+    def rope_scaling(self, base: float, freq_scale: float) -> dict:
+        """What rope applies beyond base and positions at a layer of this (base, freq_scale), as
+        kernels.cpu.rope_table takes it: the factors, the frequency scale, the factor on cos and sin
+        and, for YaRN, its ramp's pairs (from the base: per layer)."""
+        if not self.rope_yarn_ctx or freq_scale == 1.0:
+            return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale, attn_factor=self.rope_attn_factor)
+        return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale,
+                    attn_factor=float(yarn_mscale(freq_scale, self.rope_attn_factor)),
+                    yarn=tuple(map(float, rope_yarn_corr_dims(self.n_rot, self.rope_yarn_ctx, base))))
+
     def rope_table(self, positions: np.ndarray, base: float, freq_scale: float) -> np.ndarray:
         """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base and frequency scale
         (a layer's layer_rope; kernels.cpu.rope_table)."""
-        return rope_table(positions, base, self.n_rot, self.rope_freq_factors, freq_scale, self.rope_attn_factor)
+        return rope_table(positions, base, self.n_rot, **self.rope_scaling(base, freq_scale))
 
     @staticmethod
     def common_from_gguf(g: GGUFFile) -> dict:
@@ -121,18 +132,20 @@ class DecoderConfig:
             n_rot=int(g.arch_get("rope.dimension_count") or head_dim),
             rope_freq_scale=rope_freq_scale(g),
             rope_attn_factor=float(g.arch_get("rope.scaling.attn_factor") or 1.0),
+            rope_yarn_ctx=(int(g.arch_get("rope.scaling.original_context_length") or g.arch_get("context_length") or 4096)
+                           if g.arch_get("rope.scaling.type") == "yarn" else 0),
         )
 
 
 def rope_freq_scale(g: GGUFFile) -> float:
     """llama.cpp's rope_freq_scale_train: 1 / rope.scaling.factor (or the older key
-    rope.scale_linear) under linear scaling, which is what a file with no rope.scaling.type gets;
-    else 1."""
+    rope.scale_linear) under linear scaling, which is what a file with no rope.scaling.type gets,
+    and YaRN; else 1."""
     kind = g.arch_get("rope.scaling.type") or "linear"
     if kind not in ROPE_SCALING_TYPES:
         raise BadInputError(f"{g.path.name}: rope scaling '{kind}' is not supported")
     factor = float(g.arch_get("rope.scaling.factor") or g.arch_get("rope.scale_linear") or 0.0)
-    return 1.0 / factor if kind == "linear" and factor > 0 else 1.0
+    return float(np.float32(1.0) / np.float32(factor)) if kind in ("linear", "yarn") and factor > 0 else 1.0
 
 
 def swa_layers(g: GGUFFile, n_layer: int, period: int) -> tuple[bool, ...]:

@@ -29,7 +29,7 @@ def _f32_fn(name: str, n_args: int):
     return fn
 
 
-_powf, _sqrtf = _f32_fn("powf", 2), _f32_fn("sqrtf", 1)
+_powf, _sqrtf, _logf, _fmaf = _f32_fn("powf", 2), _f32_fn("sqrtf", 1), _f32_fn("logf", 1), _f32_fn("fmaf", 3)
 
 
 def powf(x: float, y: float) -> np.float32:
@@ -51,3 +51,32 @@ def inv_sqrtf(n: float) -> np.float32:
     twice in float32: not the same number as float32(1/sqrt(n)) computed in double (head dims 96,
     112, 72… differ by an ulp)."""
     return np.float32(np.float32(1.0) / sqrtf(n))
+
+
+def logf(x: float) -> np.float32:
+    return np.float32(_logf(np.float32(x)))
+
+
+def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float = 32.0,
+                        beta_slow: float = 1.0) -> tuple[np.float32, np.float32]:
+    """ggml_rope_yarn_corr_dims, in float32 as ggml.c computes it: the rotary pairs between which
+    YaRN ramps from interpolated to extrapolated angles (llama.cpp's default betas 32 and 1)."""
+    f = np.float32
+
+    def corr_dim(beta):
+        return f(f(n_dims) * logf(f(n_ctx_orig) / (f(beta) * f(2) * f(np.pi)))) / (f(2) * logf(freq_base))
+    start, end = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
+    return f(max(f(0), start)), f(min(f(n_dims - 1), end))
+
+
+def yarn_mscale(freq_scale: float, attn_factor: float = 1.0) -> np.float32:
+    """The factor on cos and sin of a YaRN file (ext_factor 1), as llama.cpp makes it:
+    llama_context's yarn_attn_factor, get_mscale(1/freq_scale) cancelled by 1/(1 + 0.1 ln) and times
+    the file's rope.scaling.attn_factor (libllama, no fma), then ggml's rope_yarn multiplies in
+    1 + 0.1 logf(1/freq_scale) (ggml-cpu, built with FMA: one fused multiply-add)."""
+    f = np.float32
+    factor = f(f(1) / f(freq_scale))
+    m = f(f(f(0.1) * f(1)) * logf(factor)) + f(1) if factor > 1 else f(1)
+    m = f(m * f(f(1) / f(f(1) + f(f(0.1) * logf(factor)))))
+    m = f(m * f(attn_factor))
+    return f(m * np.float32(_fmaf(f(0.1), logf(f(1) / f(freq_scale)), f(1))))

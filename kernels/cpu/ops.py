@@ -231,15 +231,23 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _rope_table(positions, theta_scale, factors, freq_scale, mscale, cs):
-    """ggml's angles (ggml_rope_cache_init, rope_yarn without its extrapolation): theta = pos, then
-    theta *= theta_scale per pair, in float32; pair i turns by freq_scale * (theta / factors[i]);
-    cosf/sinf, each times mscale. (Factors of 1 and scales of 1 change no bit.) cs (T, n_rot/2, 2):
-    cos and sin of pair i at token t."""
+def _rope_table(positions, theta_scale, factors, freq_scale, mscale, ext_factor, corr_lo, corr_hi, cs):
+    """ggml's angles (ggml_rope_cache_init, rope_yarn): theta = pos, then theta *= theta_scale per
+    pair, in float32; pair i's extrapolated angle is theta / factors[i], its interpolated one
+    freq_scale times that, and it turns by the interpolated one, or with YaRN (ext_factor != 0) by
+    a mix of both that ramps between the pairs corr_lo and corr_hi (one fused multiply-add, as the
+    FMA build of ggml-cpu compiles it); cosf/sinf, each times mscale. (Factors of 1 and scales of 1
+    change no bit.) cs (T, n_rot/2, 2): cos and sin of pair i at token t."""
+    one = np.float32(1.0)
     for t in prange(positions.shape[0]):
         theta = np.float32(positions[t])
         for i in range(cs.shape[1]):
-            angle = freq_scale * (theta / factors[i])
+            extrap = theta / factors[i]
+            angle = freq_scale * extrap
+            if ext_factor != 0:
+                y = (np.float32(i) - corr_lo) / max(np.float32(0.001), corr_hi - corr_lo)
+                ramp = (one - min(one, max(np.float32(0.0), y))) * ext_factor
+                angle = fma32(angle, one - ramp, extrap * ramp)
             cs[t, i, 0] = math.cos(angle) * mscale
             cs[t, i, 1] = math.sin(angle) * mscale
             theta = theta * theta_scale
@@ -271,12 +279,14 @@ _rope_table_serial = serial_twin(_rope_table)
 
 
 def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Sequence[float] = (),
-               freq_scale: float = 1.0, attn_factor: float = 1.0) -> np.ndarray:
+               freq_scale: float = 1.0, attn_factor: float = 1.0,
+               yarn: tuple[float, float] | None = None) -> np.ndarray:
     """cos/sin (T, n_rot/2, 2) of ggml_rope's angles for these positions: computed once per forward
     pass and base, and shared by every layer's q and k (the trig was most of rope's time).
     freq_factors (n_rot/2,): each pair's angle divided by its factor (Llama 3's rope_freqs, LongRoPE's
     factor sets; none: all 1); freq_scale: every angle times it (linear rope scaling: 1 / factor);
-    attn_factor: cos and sin times it (ggml's mscale: LongRoPE's rope.scaling.attn_factor)."""
+    attn_factor: cos and sin times it (ggml's mscale: LongRoPE's rope.scaling.attn_factor, YaRN's
+    libm.yarn_mscale); yarn: YaRN's ramp, the pairs (libm.rope_yarn_corr_dims) it runs between."""
     if n_rot % 2:
         raise ValueError(f"n_rot={n_rot} must be even")
     factors = np.asarray(freq_factors if len(freq_factors) else np.ones(n_rot // 2), np.float32)
@@ -285,8 +295,10 @@ def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Se
     theta_scale = rope_theta_scale(theta, n_rot)   # libm's powf: numpy's is CPU-dependent
     positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
     cs = np.empty((positions.shape[0], n_rot // 2, 2), np.float32)
+    ext_factor, (corr_lo, corr_hi) = (0.0, (0.0, 0.0)) if yarn is None else (1.0, yarn)
     pick(_rope_table, _rope_table_serial, cs.size)(positions, np.float32(theta_scale), factors,
-                                                   np.float32(freq_scale), np.float32(attn_factor), cs)
+                                                   np.float32(freq_scale), np.float32(attn_factor),
+                                                   np.float32(ext_factor), np.float32(corr_lo), np.float32(corr_hi), cs)
     return cs
 
 

@@ -69,14 +69,14 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
                      meta: tuple = ()) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
-    or "linear" / "yarn" (rope.scaling.type, factor 4; kvchat's engines do not run YaRN), or phi3's
+    or "linear" / "yarn" (rope.scaling.type, factor 4; YaRN's original context is the file's 256), or phi3's
     LongRoPE: "longrope" (original context 128, so a 256-token context takes the long factors) or
     "longrope-short" (original context 256: the short ones).
     softcaps: gemma2's attention and final logit soft-caps. f32_twin: the same model with every
     quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
     compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
     carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays).
-    meta: more `{arch}.` keys, ((suffix, value), ...): a float, an int (uint32) or a list of bools."""
+    meta: more `{arch}.` keys, ((suffix, value), ...): a float, an int (uint32), a string or a list of bools."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -108,6 +108,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     for suffix, value in meta:
         if isinstance(value, list):
             w.add_array(f"{arch}.{suffix}", value)
+        elif isinstance(value, str):
+            w.add_string(f"{arch}.{suffix}", value)
         elif isinstance(value, float):
             w.add_float32(f"{arch}.{suffix}", value)
         else:

@@ -73,11 +73,12 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # Rope bases: llama and qwen2 at Llama 2's 1e4 and Llama 3's 5e5, qwen3 at its 1e6; gemma3 at 1e6 (global layers) and
 # 1e4 (local). An ulp of theta_scale (numpy's AVX-512 powf) grows with the position: these catch it.
 # Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight), linear scaling (gemma3's
-# 4B-27B: on its global layers only), and phi3's LongRoPE with each of its factor sets (and its
-# attn_factor on cos and sin).
+# 4B-27B: on its global layers only), phi3's LongRoPE with each of its factor sets (and its
+# attn_factor on cos and sin), and YaRN (Qwen's 128k files).
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
-              ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short")]
+              ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short"),
+              ("llama", 1e4, "yarn"), ("qwen2", 1e6, "yarn")]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of
@@ -120,7 +121,8 @@ def test_rope_scaling_is_read_from_the_file(tiny_model):
     """The rope-scaling cases above are not vacuous: the same weights with Llama 3's frequency
     factors, or with linear scaling (gemma3: its one global layer of six), give other logits than
     without (and llama.cpp agrees bit for bit with each, above)."""
-    for arch, base, scaling in (("llama", 5e5, "llama3"), ("llama", 1e4, "linear"), ("gemma3", None, "linear")):
+    for arch, base, scaling in (("llama", 5e5, "llama3"), ("llama", 1e4, "linear"), ("gemma3", None, "linear"),
+                                ("llama", 1e4, "yarn")):
         scaled, plain = _native_logits(*tiny_model(arch, "Q8_0", base, scaling)), _native_logits(*tiny_model(arch, "Q8_0", base))
         assert np.abs(scaled - plain).max() > 1e-2, (arch, scaling)
 

@@ -377,6 +377,26 @@ def test_rope_frequency_factors_and_linear_scaling(neox):
     assert not np.allclose(ref, rope_ref(x, pos, 5e5, neox), atol=1e-3)     # the factors matter
 
 
+def test_rope_yarn_matches_the_cpu_table():
+    """YaRN in the Triton kernel: the angles ramp from scaled to unscaled between the ramp's pairs,
+    cos and sin times its factor, against kernels.cpu.rope_table's (ggml's) table applied by hand."""
+    from kernels.cpu.libm import rope_yarn_corr_dims, yarn_mscale
+    from kernels.cpu.ops import rope_table
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((len(ROPE_POS), 2, 64)).astype(np.float32)
+    pos = np.array(ROPE_POS)
+    yarn, mscale = tuple(map(float, rope_yarn_corr_dims(64, 4096, 1e6))), float(yarn_mscale(0.25))
+    y = rope(torch.from_numpy(x).to(DEVICE), torch.from_numpy(pos).to(DEVICE), 1e6, True, freq_scale=0.25,
+             attn_factor=mscale, yarn=yarn)
+    cs = rope_table(pos, 1e6, 64, freq_scale=0.25, attn_factor=mscale, yarn=yarn)        # (T, 32, 2)
+    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+    a, b = x[..., :32], x[..., 32:]
+    ref = np.concatenate([a * c - b * s, a * s + b * c], -1)
+    torch.testing.assert_close(y.cpu(), torch.from_numpy(ref), atol=2e-5, rtol=2e-5)
+    linear = rope(torch.from_numpy(x).to(DEVICE), torch.from_numpy(pos).to(DEVICE), 1e6, True, freq_scale=0.25)
+    assert not torch.allclose(y.cpu(), linear.cpu(), atol=1e-3)                 # the ramp matters
+
+
 @pytest.mark.parametrize("tile", [64, 512, None] if DEVICE == "cpu" else [None])   # of 20 rows a program takes 1 (as on a GPU), 8 or 32
 @pytest.mark.parametrize("neox", [True, False])
 def test_fused_norm_rope_matches_reference(neox, tile, monkeypatch):

@@ -91,11 +91,13 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    """YaRN is not built, nor LongRoPE outside phi3: such files go to llama.cpp under --backend auto;
-    linear scaling and phi3's LongRoPE run."""
+    """LongRoPE outside phi3 is not built (a llama file's rope.scaling.type "longrope", or its
+    factor tensors): such files go to llama.cpp under --backend auto; linear scaling, YaRN and
+    phi3's LongRoPE run."""
     from tests.engine.conftest import write_tiny_model
-    assert open_model(write_tiny_model(tmp_path / "y.gguf", "llama", "F32", rope_scaling="yarn")).unsupported() \
-        == "rope scaling 'yarn'"
+    assert open_model(write_tiny_model(tmp_path / "y.gguf", "llama", "F32", rope_scaling="yarn")).unsupported() is None
+    assert open_model(write_tiny_model(tmp_path / "t.gguf", "llama", "F32", meta=(("rope.scaling.type", "longrope"),))
+                      ).unsupported() == "rope scaling 'longrope'"
     assert open_model(write_tiny_model(tmp_path / "l.gguf", "llama", "F32", rope_scaling="linear")).unsupported() is None
     assert open_model(write_tiny_model(tmp_path / "p.gguf", "phi3", "F32", rope_scaling="longrope")).unsupported() is None
     assert open_model(write_tiny_model(tmp_path / "q.gguf", "llama", "F32", rope_scaling="longrope")).unsupported() \
