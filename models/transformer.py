@@ -99,10 +99,10 @@ class DecoderConfig:
         """What rope applies beyond base and positions at a layer of this (base, freq_scale), as
         kernels.cpu.rope_table takes it: the factors, the frequency scale, the factor on cos and sin
         and, for YaRN, its ramp's pairs (from the base: per layer)."""
-        if not self.rope_yarn_ctx or freq_scale == 1.0:
+        if not self.rope_yarn_ctx:
             return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale, attn_factor=self.rope_attn_factor)
         return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale,
-                    attn_factor=float(yarn_mscale(freq_scale, self.rope_attn_factor)),
+                    attn_factor=float(yarn_mscale(freq_scale, self.rope_attn_factor, self.rope_freq_scale)),
                     yarn=tuple(map(float, rope_yarn_corr_dims(self.n_rot, self.rope_yarn_ctx, base))))
 
     def rope_table(self, positions: np.ndarray, base: float, freq_scale: float) -> np.ndarray:

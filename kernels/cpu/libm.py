@@ -69,13 +69,14 @@ def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fas
     return f(max(f(0), start)), f(min(f(n_dims - 1), end))
 
 
-def yarn_mscale(freq_scale: float, attn_factor: float = 1.0) -> np.float32:
-    """The factor on cos and sin of a YaRN file (ext_factor 1), as llama.cpp makes it:
-    llama_context's yarn_attn_factor, get_mscale(1/freq_scale) cancelled by 1/(1 + 0.1 ln) and times
-    the file's rope.scaling.attn_factor (libllama, no fma), then ggml's rope_yarn multiplies in
-    1 + 0.1 logf(1/freq_scale) (ggml-cpu, built with FMA: one fused multiply-add)."""
+def yarn_mscale(freq_scale: float, attn_factor: float = 1.0, context_freq_scale: float | None = None) -> np.float32:
+    """The factor on cos and sin of a YaRN file (ext_factor 1) at a layer of this freq_scale, as
+    llama.cpp makes it: llama_context's yarn_attn_factor, get_mscale(1/context_freq_scale) cancelled
+    by 1/(1 + 0.1 ln) and times the file's rope.scaling.attn_factor (libllama, no fma), then ggml's
+    rope_yarn multiplies in 1 + 0.1 logf(1/freq_scale) (ggml-cpu, built with FMA: one fused
+    multiply-add). context_freq_scale: the model's (default freq_scale), where a layer has its own."""
     f = np.float32
-    factor = f(f(1) / f(freq_scale))
+    factor = f(f(1) / f(freq_scale if context_freq_scale is None else context_freq_scale))
     m = f(f(f(0.1) * f(1)) * logf(factor)) + f(1) if factor > 1 else f(1)
     m = f(m * f(f(1) / f(f(1) + f(f(0.1) * logf(factor)))))
     m = f(m * f(attn_factor))
