@@ -77,7 +77,7 @@ def llama_eog(tokens: Sequence[str], types: list[int], ids: Sequence[int | None]
     eog = set()
     for kind, texts in FIM_EOG_TEXTS.items():
         i = fim_ids.get(kind)
-        if i is None:
+        if not isinstance(i, int):          # absent (or, in an untrusted file, not an id): by its text
             i = next((index[t] for t in texts if t in index), None)
             if i is not None:
                 types[i] = CONTROL
@@ -90,7 +90,7 @@ def llama_eog(tokens: Sequence[str], types: list[int], ids: Sequence[int | None]
     for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):   # gpt-oss's, always rendered
         if t in index:
             types[index[t]] = USER_DEFINED
-    eog |= {i for i in ids if i is not None}
+    eog |= {i for i in ids if isinstance(i, int)}
     texts = {tokens[i] for i in eog if 0 <= i < len(tokens)}
     if "<|end|>" in texts and texts & {"<|call|>", "<|calls|>"} and texts & {"<|return|>", "<|flush|>"}:
         eog.discard(index["<|end|>"])
@@ -108,7 +108,7 @@ def _rstrip_ids(tokens: Sequence[str], types: list[int], name: str | None) -> fr
     """The special tokens that take the whitespace after them along: llama.cpp gives every special
     token of a model whose general.name says Phi-3 ("phi-3" or "phi3", any case) that attribute,
     and "</s>", but not "<unk>", "<s>" and "<|endoftext|>" (llama_vocab::impl::load)."""
-    if not name or not any(k in name.lower() for k in ("phi-3", "phi3")):
+    if not isinstance(name, str) or not any(k in name.lower() for k in ("phi-3", "phi3")):
         return frozenset()
     special = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED, UNKNOWN)}
     special |= {i for i, t in enumerate(tokens) if t == "</s>"}
