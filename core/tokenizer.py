@@ -3,7 +3,8 @@
 - tokenizer.ggml.model = "gpt2" (Qwen2/3, Llama 3): byte-level BPE through HF `tokenizers`, with the
   pre-tokenizer regex llama.cpp picks for `tokenizer.ggml.pre` (qwen2's; llama3's, which groups
   digits by three and takes a pre-token that is a whole vocabulary entry as it is; dbrx's; tekken's
-  and gpt-4o's, which split CamelCase). Other pre types get qwen2's regex: close, not token-exact.
+  and gpt-4o's, which split CamelCase; gpt-2's and smollm's). Other pre types get qwen2's regex:
+  close, not token-exact.
 - tokenizer.ggml.model = "llama" (Gemma-3): SentencePiece BPE through `sentencepiece`, from a
   ModelProto we build from the GGUF's pieces and scores.
 
@@ -42,15 +43,20 @@ TEKKEN_PRETOKENIZE = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\
 _CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
 GPT4O_PRETOKENIZE = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
                      rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}|\p{{N}}{{1,3}}" + _TAIL)
-# tokenizer.ggml.pre -> (regex, ignore_merges, add_bos when the file does not say), as
-# llama-vocab.cpp maps the names (a pre-token that is itself in the vocabulary is taken whole under
-# ignore_merges)
+# ... its "gpt-2" one, and its "smollm" one (SmolLM2), which first splits every digit off
+GPT2_PRETOKENIZE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+SMOLLM_PRETOKENIZE = (r"\p{N}", GPT2_PRETOKENIZE)
+# tokenizer.ggml.pre -> (regex, or regexes applied one after the other to each piece, ignore_merges,
+# add_bos when the file does not say), as llama-vocab.cpp maps the names (a pre-token that is itself
+# in the vocabulary is taken whole under ignore_merges)
 BPE_PRETOKENIZERS = {
     **{name: (QWEN2_PRETOKENIZE, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
     **{name: (LLAMA3_PRETOKENIZE, True, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
     **{name: (LLAMA3_PRETOKENIZE, False, False) for name in ("dbrx", "smaug-bpe")},
     "tekken": (TEKKEN_PRETOKENIZE, True, True),
     **{name: (GPT4O_PRETOKENIZE, False, False) for name in ("gpt-4o", "llama4")},
+    **{name: (GPT2_PRETOKENIZE, False, False) for name in ("gpt-2", "phi-2", "mpt", "olmo")},
+    **{name: (SMOLLM_PRETOKENIZE, False, False) for name in ("smollm", "starcoder", "refact", "codeshell")},
 }
 # Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says, and types as control
 # tokens whatever the GGUF's types say (llama-vocab.cpp, llama_vocab::impl::load)
@@ -193,7 +199,8 @@ class Tokenizer:
         hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                                     ignore_merges=ignore_merges))
         hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+              for r in ((regex,) if isinstance(regex, str) else regex)),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         self._hf = hf

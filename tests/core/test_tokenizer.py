@@ -235,11 +235,12 @@ def _byte_level_bpe(corpus: list[str], n_merges: int) -> tuple[list[str], list[s
     return tokens, merges
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o"])
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o", "gpt-2", "smollm"])
 def test_bpe_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
     """Each pre-tokenizer name we know (Qwen, Llama 3, Phi-4's dbrx, Mistral Nemo's tekken,
-    Phi-4-mini's gpt-4o) gives llama.cpp's ids on a vocabulary whose merges cross word, case, digit
-    and punctuation boundaries; and the add-BOS default it implies when the file does not say."""
+    Phi-4-mini's gpt-4o, GPT-2's, SmolLM2's) gives llama.cpp's ids on a vocabulary whose merges
+    cross word, case, digit and punctuation boundaries; and the add-BOS default it implies when the
+    file does not say."""
     tokens, merges = _byte_level_bpe(PRE_CORPUS, 400)
     tokens.append("<|endoftext|>")
     ours, theirs = vocab_only(tmp_path / "v.gguf", tokens, [1] * (len(tokens) - 1) + [3], pre=pre, merges=merges,
