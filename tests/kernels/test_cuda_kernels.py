@@ -470,9 +470,11 @@ for j, q in enumerate(G.SUPPORTED):     # all rows (rows_ptr is w_raw, unused) a
         c = dict(QTYPE=q, HAS_ROWS=rows_t != "*u8", BLOCK_R=16, BLOCK_K=256)
         comp(D._dequant_kernel, {**sig, **{n: "constexpr" for n in c}}, c, dict(enable_fp_fusion=False))
 sig = dict(x_ptr="*bf16", w_ptr="*fp32", pos_ptr="*i32", ff_ptr="*fp32", y_ptr="*bf16", R=i32, D=i32, H=i32,
-           s_x=i32, s_y=i32, eps="fp32", log2_base="fp32", freq_scale="fp32")
-for ff in (False, True):
-    c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, HAS_FF=ff, BLOCK_R=1, BLOCK_D=128)   # (a GPU's BLOCK_R)
+           s_x=i32, s_y=i32, eps="fp32", log2_base="fp32", freq_scale="fp32", mscale="fp32", corr_lo="fp32",
+           corr_hi="fp32")
+for ff, yarn in ((False, False), (True, False), (False, True)):
+    c = dict(N_ROT=64, NEOX=False, HAS_NORM=True, HAS_ROPE=True, HAS_FF=ff, HAS_YARN=yarn, BLOCK_R=1,
+             BLOCK_D=128)                                                                  # (a GPU's BLOCK_R)
     comp(N._norm_rope_kernel, {**sig, **{n: "constexpr" for n in c}}, c)
 print("ok")
 '''
