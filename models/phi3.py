@@ -25,7 +25,7 @@ class Phi3Config(DecoderConfig):
         c = cls.common_from_gguf(g)
         longrope = ()
         if any(name in g.tensors for name in LONGROPE_TENSORS):
-            short, long = (rope_factors(g, f"rope_factors_{kind}.weight", c["n_rot"]) for kind in ("short", "long"))
+            long, short = (rope_factors(g, name, c["n_rot"]) for name in LONGROPE_TENSORS)
             n_ctx_orig = int(g.arch_get("rope.scaling.original_context_length") or c["n_ctx_train"])
             longrope = (short, long, n_ctx_orig)
         return cls(**c, rope_neox=True, activation="swiglu", attn_scale=float(inv_sqrtf(c["head_dim"])),

@@ -65,6 +65,8 @@ class DecoderConfig:
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
     layer_rope: tuple[tuple[float, float], ...] = field(default=(), init=False)   # (base, freq_scale) per layer
+    # each layer_rope's rope_scaling, computed once here (YaRN's constants call libm): not per pass
+    _rope_scalings: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         if self.n_head % self.n_head_kv:
@@ -78,6 +80,7 @@ class DecoderConfig:
         rope_local = (self.rope_base_local or self.rope_base, self.rope_freq_scale_local or self.rope_freq_scale)
         object.__setattr__(self, "layer_rope", tuple(rope_local if loc else (self.rope_base, self.rope_freq_scale)
                                                      for loc in local))
+        object.__setattr__(self, "_rope_scalings", {rope: self._rope_scaling(*rope) for rope in set(self.layer_rope)})
 
     def for_context(self, n_ctx: int) -> "DecoderConfig":
         """This config for a cache of n_ctx tokens. A LongRoPE file (phi3's 128k models) carries two
@@ -96,9 +99,12 @@ class DecoderConfig:
         return ("/rope-long" if self.rope_long else "/rope-short") if self.longrope else ""
 
     def rope_scaling(self, base: float, freq_scale: float) -> dict:
-        """What rope applies beyond base and positions at a layer of this (base, freq_scale), as
-        kernels.cpu.rope_table takes it: the factors, the frequency scale, the factor on cos and sin
-        and, for YaRN, its ramp's pairs (from the base: per layer)."""
+        """What rope applies beyond base and positions at a layer of this (base, freq_scale) (one of
+        layer_rope), as kernels.cpu.rope_table takes it: the factors, the frequency scale, the factor
+        on cos and sin and, for YaRN, its ramp's pairs."""
+        return self._rope_scalings[base, freq_scale]
+
+    def _rope_scaling(self, base: float, freq_scale: float) -> dict:
         if not self.rope_yarn_ctx:
             return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale, attn_factor=self.rope_attn_factor)
         return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale,
