@@ -384,7 +384,8 @@ def cmd_models(args) -> int:
     if sub == "info":
         with stderr_progress() as progress:
             path = registry.resolve(args.name, progress)
-        info = open_model(path).info()
+        g = open_model(path)
+        info = g.info()
         if args.json:
             print(json.dumps(info))
         else:
@@ -395,6 +396,10 @@ def cmd_models(args) -> int:
             print(f"tensor types    " + ", ".join(f"{t}: {n}" for t, n in info["tensor_types"].items()))
             print(f"context length  {info['context_length']}")
             print(f"chat template   {'yes' if info['chat_template'] else 'no (completion only)'}")
+            from core.tokenizer import vocabulary_lacks
+            vocab_lacks = vocabulary_lacks(g.get("tokenizer.ggml.model"), g.get("tokenizer.ggml.pre"))
+            print("tokenizer       " + (f"llama.cpp's (kvchat's does not split {vocab_lacks} yet)" if vocab_lacks
+                                        else "kvchat's (llama.cpp's ids, tested)"))
             print(f"file size       {info['file_size']:,} bytes ({info['file_size'] / 1e6:.1f} MB)")
             lacks = info["kvchat_engine_lacks"]
             print("engine          " + (f"llama.cpp (kvchat's engine does not run {lacks} yet)" if lacks

@@ -3,10 +3,14 @@
 - tokenizer.ggml.model = "gpt2" (Qwen2/3, Llama 3): byte-level BPE through HF `tokenizers`, with the
   pre-tokenizer regex llama.cpp picks for `tokenizer.ggml.pre` (qwen2's; llama3's, which groups
   digits by three and takes a pre-token that is a whole vocabulary entry as it is; dbrx's; tekken's
-  and gpt-4o's, which split CamelCase; gpt-2's and smollm's). Other pre types get qwen2's regex:
-  close, not token-exact.
+  and gpt-4o's, which split CamelCase; gpt-2's, smollm's, falcon's, DeepSeek's three, and its
+  default for files that name none).
 - tokenizer.ggml.model = "llama" (Gemma-3): SentencePiece BPE through `sentencepiece`, from a
   ModelProto we build from the GGUF's pieces and scores.
+
+A vocabulary it does not know (another pre-tokenizer or tokenizer model: `Tokenizer.lacks`) is
+tokenized by llama.cpp's own load of it (`Tokenizer.delegate_to`), so any engine still sees
+llama.cpp's ids.
 
 Special tokens are split out first, exactly as llama.cpp's tokenizer_st_partition does: longest
 first; user-defined tokens always, control tokens only when `special=True`.
@@ -14,8 +18,10 @@ first; user-defined tokens always, control tokens only when `special=True`.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import os
 from functools import cached_property
+from pathlib import Path
 from typing import Sequence
 
 
@@ -46,18 +52,70 @@ GPT4O_PRETOKENIZE = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
 # ... its "gpt-2" one, and its "smollm" one (SmolLM2), which first splits every digit off
 GPT2_PRETOKENIZE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 SMOLLM_PRETOKENIZE = (r"\p{N}", GPT2_PRETOKENIZE)
+# ... its "default" one (a file without tokenizer.ggml.pre) and its "falcon" one: runs of punctuation
+# first, then GPT-2's words, then digits by three
+DEFAULT_PRETOKENIZE = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_PRETOKENIZE, r"\p{N}+", r"[0-9][0-9][0-9]")
+FALCON_PRETOKENIZE = (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_PRETOKENIZE, r"[0-9][0-9][0-9]")
+# ... DeepSeek's: "deepseek-llm" (DeepSeek LLM 7B/67B) and "deepseek-coder" (DeepSeek-Coder V1) split
+# lines, words (with one space before), punctuation, CJK and Hangul runs and numbers in turn;
+# "deepseek-v3" (DeepSeek V3/R1) numbers by three, CJK and kana runs, then words with their marks
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+DEEPSEEK_LLM_PRETOKENIZE = (
+    r"[\r\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293"
+    "\u0295-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c"
+    "\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-"
+    "\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a"
+    "\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d"
+    "\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3"
+    "\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115"
+    "\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-"
+    "\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-"
+    "\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-"
+    "\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-"
+    "\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    _CJK_HANGUL,
+    r"\p{N}+",
+)
+DEEPSEEK_CODER_PRETOKENIZE = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")
+DEEPSEEK3_PRETOKENIZE = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 # tokenizer.ggml.pre -> (regex, or regexes applied one after the other to each piece, ignore_merges,
 # add_bos when the file does not say), as llama-vocab.cpp maps the names (a pre-token that is itself
 # in the vocabulary is taken whole under ignore_merges)
 BPE_PRETOKENIZERS = {
-    **{name: (QWEN2_PRETOKENIZE, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    **{name: (QWEN2_PRETOKENIZE, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2")},
     **{name: (LLAMA3_PRETOKENIZE, True, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
     **{name: (LLAMA3_PRETOKENIZE, False, False) for name in ("dbrx", "smaug-bpe")},
     "tekken": (TEKKEN_PRETOKENIZE, True, True),
     **{name: (GPT4O_PRETOKENIZE, False, False) for name in ("gpt-4o", "llama4")},
     **{name: (GPT2_PRETOKENIZE, False, False) for name in ("gpt-2", "phi-2", "mpt", "olmo")},
-    **{name: (SMOLLM_PRETOKENIZE, False, False) for name in ("smollm", "starcoder", "refact", "codeshell")},
+    **{name: (SMOLLM_PRETOKENIZE, False, False) for name in ("smollm", "starcoder", "refact", "codeshell", "command-r")},
+    "default": (DEFAULT_PRETOKENIZE, False, False),
+    "falcon": (FALCON_PRETOKENIZE, False, False),
+    "deepseek-llm": (DEEPSEEK_LLM_PRETOKENIZE, False, False),
+    "deepseek-coder": (DEEPSEEK_CODER_PRETOKENIZE, False, False),
+    "deepseek-v3": (DEEPSEEK3_PRETOKENIZE, False, False),
 }
+TOKENIZER_MODELS = ("gpt2", "llama")     # tokenizer.ggml.model values kvchat tokenizes itself
+
+
+def vocabulary_lacks(model: str | None, pre: str | None) -> str | None:
+    """What of a GGUF's vocabulary kvchat's tokenizer cannot split as llama.cpp does ("tokenizer model
+    'rwkv'", "pre-tokenizer 'viking'"), or None. llama.cpp's own load of such a vocabulary tokenizes
+    it (Tokenizer.delegate_to). A file without a pre-tokenizer name gets llama.cpp's default."""
+    if model not in TOKENIZER_MODELS:
+        return f"tokenizer model '{model}'"
+    if model == "gpt2" and not (pre is None or isinstance(pre, str) and pre in BPE_PRETOKENIZERS):
+        return f"pre-tokenizer '{pre}'"
+    return None
 # Texts llama.cpp treats as end-of-generation whatever the GGUF's eos says, and types as control
 # tokens whatever the GGUF's types say (llama-vocab.cpp, llama_vocab::impl::load)
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
@@ -159,22 +217,24 @@ class Tokenizer:
         specials = [(t, i, types[i] in (CONTROL, UNKNOWN), i in rstrip) for i, t in enumerate(tokens)
                     if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) and t]
         self._specials = sorted(specials, key=lambda s: -len(s[0]))
-        if model == "gpt2":
-            self._init_bpe(merges or [], pre)
-        elif model == "llama":
+        # what kvchat cannot split as llama.cpp does: such a file runs (and tokenizes) on llama.cpp
+        self.lacks = vocabulary_lacks(model, pre)
+        self._llama = self._llama_vocab = None      # llama.cpp's load of the vocabulary (delegate_to)
+        if self.lacks is None and model == "gpt2":
+            self._init_bpe(merges or [], pre or "default")
+        elif self.lacks is None:
             self._init_spm(scores or [0.0] * len(tokens))
-        else:
-            raise BadInputError(f"unsupported tokenizer model '{model}' (supported: gpt2, llama)")
 
     @classmethod
     def from_gguf(cls, g) -> "Tokenizer":
+        """(A vocabulary kvchat does not tokenize itself is llama.cpp's: delegate_to.)"""
         tokens = g.get("tokenizer.ggml.tokens")
         if not tokens:
             raise BadInputError(f"{g.path.name} has no tokenizer vocabulary")
         model, pre = g.get("tokenizer.ggml.model"), g.get("tokenizer.ggml.pre")
         types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         bos_by_default = model == "llama" or (model == "gpt2" and pre in BPE_PRETOKENIZERS and BPE_PRETOKENIZERS[pre][2])
-        return cls(
+        tokenizer = cls(
             model=model, tokens=tokens, types=list(types), scores=g.get("tokenizer.ggml.scores"),
             merges=g.get("tokenizer.ggml.merges"),
             bos_id=g.get("tokenizer.ggml.bos_token_id"), eos_id=g.get("tokenizer.ggml.eos_token_id"),
@@ -186,6 +246,9 @@ class Tokenizer:
             fim_ids={kind: g.get(f"tokenizer.ggml.fim_{kind}_token_id") for kind in FIM_EOG_TEXTS},
             name=g.get("general.name"),
         )
+        if tokenizer.lacks is not None:
+            tokenizer.delegate_to(g.path)
+        return tokenizer
 
     # --- backends ---------------------------------------------------------------------------
     def _init_bpe(self, merges: list[str], pre: str | None) -> None:
@@ -195,7 +258,7 @@ class Tokenizer:
 
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
-        regex, ignore_merges, _ = BPE_PRETOKENIZERS.get(pre, BPE_PRETOKENIZERS["qwen2"])
+        regex, ignore_merges, _ = BPE_PRETOKENIZERS[pre]
         hf = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                                     ignore_merges=ignore_merges))
         hf.pre_tokenizer = pre_tokenizers.Sequence([
@@ -249,9 +312,58 @@ class Tokenizer:
             piece.type = 2 if i == unk else (3 if t == 2 else t)
         return proto.SerializeToString()
 
+    def delegate_to(self, path) -> None:
+        """Tokenize with llama.cpp's own load of this GGUF's vocabulary from now on: a vocabulary
+        kvchat lacks (self.lacks) is still split, shown and counted exactly as llama.cpp does, so
+        every engine (kvchat's too) sees llama.cpp's ids."""
+        import logging
+
+        import llama_cpp
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        log = logging.getLogger("llama-cpp-python")     # (where llama-cpp-python sends llama.cpp's log)
+        level = log.level
+        log.setLevel(logging.CRITICAL)
+        try:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        finally:
+            log.setLevel(level)
+        if not model:
+            raise BadInputError(f"kvchat does not tokenize {self.lacks}, and llama.cpp could not load the "
+                                f"vocabulary of {Path(path).name} either")
+        self._llama = model                 # (freed with the tokenizer)
+        self._llama_vocab = llama_cpp.llama_model_get_vocab(model)
+        self._piece_cache.clear()
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._llama_vocab))
+
+    def __del__(self):
+        if getattr(self, "_llama", None):
+            import llama_cpp
+            llama_cpp.llama_model_free(self._llama)
+            self._llama = None
+
+    def _llama_encode(self, text: str, special: bool) -> list[int]:
+        import llama_cpp
+        raw = text.encode()
+        n = len(raw) + 2
+        while True:
+            out = (llama_cpp.llama_token * n)()
+            got = llama_cpp.llama_tokenize(self._llama_vocab, raw, len(raw), out, n, False, special)
+            if got >= 0:
+                return list(out[:got])
+            n = -got
+
     def _piece_bytes(self, token_id: int) -> bytes:
         """What a token stands for, as bytes (computed on first use: most ids are never decoded)."""
         raw = self._piece_cache.get(token_id)
+        if raw is None and self._llama_vocab is not None:
+            import llama_cpp
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._llama_vocab, token_id, buf, 64, 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._llama_vocab, token_id, buf, -n, 0, True)
+            raw = self._piece_cache[token_id] = buf.raw[:max(n, 0)]
         if raw is None:
             text, kind = self.tokens[token_id], self.types[token_id]
             if kind in (CONTROL, UNKNOWN, UNUSED, USER_DEFINED):
@@ -269,6 +381,10 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
         """Text -> ids. `special=True` parses control tokens written in the text (for chat templates)."""
         ids = [self.bos_id] if add_bos and self.bos_id is not None else []
+        if self._llama_vocab is not None:
+            return ids + self._llama_encode(text, special)
+        if self.lacks is not None:
+            raise BadInputError(f"kvchat does not tokenize {self.lacks} (Tokenizer.from_gguf hands it to llama.cpp)")
         prev_special = True
         for fragment in self._partition(text, special):
             if isinstance(fragment, int):

@@ -335,3 +335,34 @@ def test_run_speculative_prints_acceptance_and_the_same_text(qwen_path, qwen15_p
     assert spec.stdout == plain.stdout and "rectangle_area" in spec.stdout.decode()
     err = spec.stderr.decode()
     assert f"speculative {method}: accepted" in err and "%)" in err, err
+
+
+def test_a_vocabulary_we_lack_is_tokenized_by_llamacpp(tmp_path):
+    """A pre-tokenizer llama.cpp knows and kvchat's tokenizer does not ("viking", a Llama-architecture
+    file's): llama.cpp's own load of the vocabulary tokenizes, so kvchat's engine still runs the
+    file on llama.cpp's ids: the prompt's token count is llama.cpp's, and the greedy reply is
+    --backend llama.cpp's token for token. `models info` says whose tokenizer it is."""
+    from tests.engine.conftest import write_tiny_model
+    lacking = write_tiny_model(tmp_path / "viking.gguf", "llama", "Q8_0", bpe_pre="viking")
+    prompt = "the cat sat on the mat (1 + 1) = print"
+    greedy = ["--no-chat", "--temperature", "0", "-n", "8", "--logit-bias", "319=-inf", "--json", prompt]
+    auto = run_kvchat("run", "-m", str(lacking), *greedy)
+    assert auto.returncode == 0 and "using llama.cpp" not in auto.stderr.decode(), auto.stderr.decode()
+    ours = json.loads(auto.stdout)
+    theirs = llama_cpp.Llama(model_path=str(lacking), vocab_only=True, verbose=False)
+    try:
+        n_prompt = len(theirs.tokenize(prompt.encode(), add_bos=True, special=False))
+    finally:
+        theirs.close()
+    assert ours["backend"] == "native" and ours["timings"]["prompt_n"] == n_prompt
+    named = run_kvchat("run", "-m", str(lacking), "--backend", "llama.cpp", *greedy)
+    assert named.returncode == 0 and json.loads(named.stdout)["tokens"] == ours["tokens"]
+    info = run_kvchat("models", "info", str(lacking)).stdout.decode()
+    assert "tokenizer       llama.cpp's (kvchat's does not split pre-tokenizer 'viking' yet)" in info
+    assert "engine          kvchat's own" in info
+    # a name neither knows: one line, exit 2, whatever the engine
+    unknown = write_tiny_model(tmp_path / "nonsense.gguf", "llama", "Q8_0", bpe_pre="nonsense")
+    for backend in ("auto", "native", "llama.cpp"):
+        out = run_kvchat("run", "-m", str(unknown), "--backend", backend, "hi")
+        err = out.stderr.decode()
+        assert out.returncode == 2 and len(err.strip().splitlines()) == 1 and "pre-tokenizer 'nonsense'" in err, err

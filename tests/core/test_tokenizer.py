@@ -3,7 +3,9 @@ import llama_cpp
 import pytest
 
 from core.tokenizer import Tokenizer
+from models.errors import BadInputError
 from models.gguf_file import open_model
+from tests.engine.conftest import byte_level_bpe
 
 CORPUS = [
     "Hello world! How are you today?",
@@ -143,6 +145,8 @@ def vocab_only(path, tokens: list[str], types: list[int], model: str = "gpt2", k
     w.add_token_types(types)
     adders = {"pre": w.add_tokenizer_pre, "merges": w.add_token_merges, "scores": w.add_token_scores}
     for name, value in writer.items():
+        if value is None:           # (a key the file leaves out)
+            continue
         adders.get(name, getattr(w, f"add_{name}", None))(value)
     for key, value in (keys or {}).items():
         w.add_uint32(key, value)
@@ -200,48 +204,20 @@ PRE_CORPUS = CORPUS + [
     "paths a/b/c, ./run.sh --flag=/tmp/x; http://example.com/a?b=c&d=1 :/ ;/",
     "It's DON'T we'LL they've I'M you'd SHE'S O'Neil rock'n'roll",
     "digits 1 12 123 1234 12345 123456 1234567 v2.10.3 3x4 x86_64 ÉCOLE Élan naïve ÜberMensch",
+    "Ελληνικά ‘single’ “double” «guillemets» µs 5\u212a café cafe\u0301 € ± → © ½ ² ① Ⅻ ٣४ ＡＢＣ！ｘｙｚ　全角。"
+    " ひらがな カタカナ ﬃ Ꙁ 𐐀𐐨 ok!? $+<=>^`|~ end  ",
 ]
 
 
-def _byte_level_bpe(corpus: list[str], n_merges: int) -> tuple[list[str], list[str]]:
-    """A byte-level BPE vocabulary learned from corpus without any pre-tokenization, so its merges
-    cross the boundaries a pre-tokenizer draws: a pre-tokenizer that splits elsewhere than
-    llama.cpp's gives other ids. -> (tokens, merges)"""
-    from core.tokenizer import _bytes_to_unicode
-    table = _bytes_to_unicode()
-    seqs = [[table[b] for b in text.encode()] for text in corpus]
-    tokens, merges = [table[b] for b in range(256)], []
-    for _ in range(n_merges):
-        counts: dict[tuple[str, str], int] = {}
-        for seq in seqs:
-            for pair in zip(seq, seq[1:]):
-                counts[pair] = counts.get(pair, 0) + 1
-        if not counts:
-            break
-        best = max(counts, key=lambda p: (counts[p], p))
-        merged = best[0] + best[1]
-        merges.append(f"{best[0]} {best[1]}")
-        tokens.append(merged)
-        for j, seq in enumerate(seqs):
-            out, i = [], 0
-            while i < len(seq):
-                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(seq[i])
-                    i += 1
-            seqs[j] = out
-    return tokens, merges
-
-
-@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o", "gpt-2", "smollm"])
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o", "gpt-2", "smollm", "command-r",
+                                 "falcon", "deepseek-llm", "deepseek-coder", "deepseek-v3", "default", None])
 def test_bpe_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
     """Each pre-tokenizer name we know (Qwen, Llama 3, Phi-4's dbrx, Mistral Nemo's tekken,
-    Phi-4-mini's gpt-4o, GPT-2's, SmolLM2's) gives llama.cpp's ids on a vocabulary whose merges
-    cross word, case, digit and punctuation boundaries; and the add-BOS default it implies when the
-    file does not say."""
-    tokens, merges = _byte_level_bpe(PRE_CORPUS, 400)
+    Phi-4-mini's gpt-4o, GPT-2's, SmolLM2's, Command-R's, Falcon's, DeepSeek's three, llama.cpp's
+    default, which a file without the key gets) gives llama.cpp's ids on a vocabulary whose merges
+    cross word, case, digit, script and punctuation boundaries; and the add-BOS default it implies
+    when the file does not say."""
+    tokens, merges = byte_level_bpe(PRE_CORPUS, 700)
     tokens.append("<|endoftext|>")
     ours, theirs = vocab_only(tmp_path / "v.gguf", tokens, [1] * (len(tokens) - 1) + [3], pre=pre, merges=merges,
                               bos_token_id=len(tokens) - 1, eos_token_id=len(tokens) - 1)
@@ -279,3 +255,39 @@ def test_phi3_special_tokens_take_the_whitespace_after_them(tmp_path, name):
         theirs.close()
     stripped = ours.encode("<|user|>\n the cat", special=True)[1:] == ours.encode("the cat")
     assert stripped == (name in ("Phi3", "phi-3-mini-4k-instruct"))
+
+
+def test_a_vocabulary_we_lack_tokenizes_with_llama_cpps(tmp_path):
+    """A pre-tokenizer llama.cpp knows and kvchat does not ("viking"), and a tokenizer model kvchat
+    does not build (BERT's word pieces): the tokenizer says what it lacks and hands the splitting
+    to llama.cpp's own load of the file, so its ids and pieces are llama.cpp's; built without that
+    (not from the file) it refuses to guess."""
+    tokens, merges = byte_level_bpe(PRE_CORPUS, 700)
+    tokens.append("<|endoftext|>")
+    bert = (["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+            + [chr(c) for c in range(33, 127)] + ["the", "##e", "quick", "brown", "fox", "##s", "hello", "world"])
+    cases = {"viking": (tokens, dict(pre="viking", merges=merges, eos_token_id=len(tokens) - 1)),
+             "bert": (bert, dict(model="bert"))}
+    for name, (vocab, writer) in cases.items():
+        types = [3 if t.startswith("[") and len(t) > 1 or t == "<|endoftext|>" else 1 for t in vocab]
+        ours, theirs = vocab_only(tmp_path / f"{name}.gguf", vocab, types, **writer)
+        try:
+            assert ours.lacks == ("pre-tokenizer 'viking'" if name == "viking" else "tokenizer model 'bert'")
+            for text in PRE_CORPUS:
+                for special in (False, True):
+                    want = theirs.tokenize(text.encode(), add_bos=False, special=special)
+                    assert ours.encode(text, special=special) == want, repr(text)
+                ids = theirs.tokenize(text.encode(), add_bos=False, special=True)
+                assert b"".join(ours.token_bytes(i, special=True) for i in ids) == theirs.detokenize(ids, special=True)
+        finally:
+            theirs.close()
+    alone = Tokenizer("gpt2", tokens, [1] * len(tokens), None, merges, None, None, False, False, pre="viking")
+    with pytest.raises(BadInputError, match="does not tokenize pre-tokenizer 'viking'"):
+        alone.encode("hello")
+    # not vacuous: the qwen2 split we used to fall back on gives other ids
+    qwen_split = Tokenizer("gpt2", tokens, [1] * len(tokens), None, merges, None, None, False, False, pre="qwen2")
+    viking, theirs = vocab_only(tmp_path / "v2.gguf", tokens, [1] * len(tokens), pre="viking", merges=merges)
+    try:
+        assert any(qwen_split.encode(t) != viking.encode(t) for t in PRE_CORPUS)
+    finally:
+        theirs.close()

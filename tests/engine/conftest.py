@@ -43,6 +43,38 @@ def vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def byte_level_bpe(corpus: list[str], n_merges: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary learned from corpus without any pre-tokenization, so its merges
+    cross the boundaries a pre-tokenizer draws: a pre-tokenizer that splits elsewhere than
+    llama.cpp's gives other ids. -> (tokens, merges)"""
+    from core.tokenizer import _bytes_to_unicode
+    table = _bytes_to_unicode()
+    seqs = [[table[b] for b in text.encode()] for text in corpus]
+    tokens, merges = [table[b] for b in range(256)], []
+    for _ in range(n_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for seq in seqs:
+            for pair in zip(seq, seq[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        best = max(counts, key=lambda p: (counts[p], p))
+        merged = best[0] + best[1]
+        merges.append(f"{best[0]} {best[1]}")
+        tokens.append(merged)
+        for j, seq in enumerate(seqs):
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == best:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            seqs[j] = out
+    return tokens, merges
+
+
 def quantized(data: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
     """(N, K) float32 -> what GGUFWriter.add_tensor takes for that type."""
     t = gguf.GGMLQuantizationType[qtype]
@@ -66,7 +98,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
                      rope_scaling: str | None = None,
                      softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP),
                      f32_twin: bool = False, sliding_window: int = 0, extra: dict | None = None,
-                     meta: tuple = ()) -> Path:
+                     meta: tuple = (), bpe_pre: str | None = None) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
     or "linear" / "yarn" (rope.scaling.type, factor 4; YaRN's original context is the file's 256), or phi3's
@@ -76,7 +108,9 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
     compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
     carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays).
-    meta: more `{arch}.` keys, ((suffix, value), ...): a float, an int (uint32), a string or a list of bools."""
+    meta: more `{arch}.` keys, ((suffix, value), ...): a float, an int (uint32), a string or a list of bools.
+    bpe_pre: a byte-level BPE vocabulary instead (tokenizer.ggml.model "gpt2", as Llama 3's files
+    carry) with this pre-tokenizer name; its last token, <|endoftext|>, is its BOS and EOS."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
     w = gguf.GGUFWriter(str(path), arch)
@@ -114,17 +148,27 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
             w.add_float32(f"{arch}.{suffix}", value)
         else:
             w.add_uint32(f"{arch}.{suffix}", value)
-    tokens, scores, types = vocab()
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if bpe_pre is None:
+        tokens, scores, types = vocab()
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_space_prefix(True)
+    else:
+        tokens, merges = byte_level_bpe([" ".join(WORDS).replace("▁", "")] * 2, N_VOCAB - 257)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(bpe_pre)
+        w.add_token_list(tokens + ["<|endoftext|>"])
+        w.add_token_types([1] * len(tokens) + [3])
+        w.add_token_merges(merges)
+        w.add_bos_token_id(len(tokens))
+        w.add_eos_token_id(len(tokens))
     w.add_add_bos_token(True)
-    w.add_add_space_prefix(True)
 
     def mat(name, n, k, std):
         data, t = quantized(rng.normal(0, std, size=(n, k)).astype(np.float32), qtype, rng)
