@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "phi3": ("models.phi3", "Phi3Config"),
     "gemma2": ("models.gemma2", "Gemma2Config"),
     "gemma3": ("models.gemma3", "Gemma3Config"),
+    "smollm3": ("models.smollm3", "SmolLM3Config"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by

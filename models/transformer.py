@@ -54,6 +54,7 @@ class DecoderConfig:
     local_layers: tuple[bool, ...] = ()   # which layers attend within sliding_window (swa_layers); () = none
     rope_base_local: float = 0.0          # rope base of sliding-window layers (0 -> rope_base)
     rope_freq_scale_local: float = 0.0    # rope_freq_scale of sliding-window layers (0 -> rope_freq_scale)
+    nope_layers: tuple[bool, ...] = ()    # layers whose q and k take no rope (SmolLM3's every fourth); () = none
     rope_freq_factors: tuple[float, ...] = ()   # (n_rot/2,) each pair's angle / its factor (Llama 3, LongRoPE)
     rope_freq_scale: float = 1.0          # every angle times this (linear rope scaling: 1 / factor)
     rope_attn_factor: float = 1.0         # cos and sin times this (rope.scaling.attn_factor: LongRoPE's)
@@ -65,6 +66,7 @@ class DecoderConfig:
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
     layer_rope: tuple[tuple[float, float], ...] = field(default=(), init=False)   # (base, freq_scale) per layer
+    # (freq_scale 0 at a layer without rope: every angle 0, cos exactly 1 and sin 0, q and k as they are)
     # each layer_rope's rope_scaling, computed once here (YaRN's constants call libm): not per pass
     _rope_scalings: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -78,8 +80,12 @@ class DecoderConfig:
         local = [self.sliding_window > 0 and bool(self.local_layers) and self.local_layers[il] for il in range(self.n_layer)]
         object.__setattr__(self, "layer_window", tuple(self.sliding_window if loc else 0 for loc in local))
         rope_local = (self.rope_base_local or self.rope_base, self.rope_freq_scale_local or self.rope_freq_scale)
-        object.__setattr__(self, "layer_rope", tuple(rope_local if loc else (self.rope_base, self.rope_freq_scale)
-                                                     for loc in local))
+        if self.nope_layers and len(self.nope_layers) != self.n_layer:
+            raise BadInputError(f"{len(self.nope_layers)} layers without rope for {self.n_layer}")
+        nope = self.nope_layers or (False,) * self.n_layer
+        object.__setattr__(self, "layer_rope", tuple(
+            (self.rope_base, 0.0) if nope[il] else rope_local if loc else (self.rope_base, self.rope_freq_scale)
+            for il, loc in enumerate(local)))
         object.__setattr__(self, "_rope_scalings", {rope: self._rope_scaling(*rope) for rope in set(self.layer_rope)})
 
     def for_context(self, n_ctx: int) -> "DecoderConfig":
@@ -105,6 +111,8 @@ class DecoderConfig:
         return self._rope_scalings[base, freq_scale]
 
     def _rope_scaling(self, base: float, freq_scale: float) -> dict:
+        if freq_scale == 0.0:       # a layer without rope: the identity rotation, whatever the file's scaling
+            return dict(freq_factors=(), freq_scale=0.0, attn_factor=1.0)
         if not self.rope_yarn_ctx:
             return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale, attn_factor=self.rope_attn_factor)
         return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale,
