@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "gemma2": ("models.gemma2", "Gemma2Config"),
     "gemma3": ("models.gemma3", "Gemma3Config"),
     "smollm3": ("models.smollm3", "SmolLM3Config"),
+    "ernie4_5": ("models.ernie4_5", "Ernie45Config"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by

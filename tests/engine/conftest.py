@@ -26,7 +26,7 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
 N_VOCAB = 320
 GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
-               "smollm3": 4}                                                               # smollm3: layer 3 without rope
+               "smollm3": 4, "ernie4_5": 2}                                                               # smollm3: layer 3 without rope
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
