@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "gemma3": ("models.gemma3", "Gemma3Config"),
     "smollm3": ("models.smollm3", "SmolLM3Config"),
     "ernie4_5": ("models.ernie4_5", "Ernie45Config"),
+    "granite": ("models.granite", "GraniteConfig"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by

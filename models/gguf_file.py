@@ -295,6 +295,8 @@ class GGUFFile:
             return f"rope scaling '{scaling}'"
         if self.arch not in LONGROPE_ARCHS and any(name in self.tensors for name in LONGROPE_TENSORS):
             return "LongRoPE rope scaling"
+        if self.arch_get("deepstack_mapping") is not None:     # Granite Vision's image features in the layers
+            return "deepstack layers"
         value_len, n_head = self.arch_get("attention.value_length"), self.arch_get("attention.head_count")
         if isinstance(value_len, int) and isinstance(n_head, int) and n_head > 0:   # (the engines' K and V heads are one size)
             key_len = self.arch_get("attention.key_length") or int(self.arch_get("embedding_length") or 0) // n_head

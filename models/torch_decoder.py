@@ -241,6 +241,8 @@ class TorchDecoder:
         o = layer.wo(o.reshape(T, Hq * hd))
         if layer.post_attn_norm is not None:
             o = rms_norm(o, layer.post_attn_norm, cfg.norm_eps)
+        if cfg.residual_scale:
+            o = o * cfg.residual_scale
         x = x + o
         h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
         gate, up = layer.w_gate(h), layer.w_up(h)                                  # (T, F) x2
@@ -249,6 +251,8 @@ class TorchDecoder:
         d = layer.w_down(act * up)
         if layer.post_ffn_norm is not None:
             d = rms_norm(d, layer.post_ffn_norm, cfg.norm_eps)
+        if cfg.residual_scale:
+            d = d * cfg.residual_scale
         return x + d
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -258,6 +262,8 @@ class TorchDecoder:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and output matrix: (R, D) -> (R, n_vocab) float32, soft-capped (gemma2)."""
         logits = self.output(rms_norm(x, self.output_norm, self.cfg.norm_eps))
+        if self.cfg.logit_scale:
+            logits = logits * float(self.cfg.logit_multiplier)
         cap = self.cfg.final_softcap
         return cap * torch.tanh(logits * (1.0 / cap)) if cap > 0 else logits
 

@@ -63,6 +63,8 @@ class DecoderConfig:
     rope_yarn_ctx: int = 0                # YaRN: the original context its ramp is computed for (0: no YaRN)
     attn_softcap: float = 0.0             # attention scores soft-capped at this before the softmax (gemma2)
     final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
+    residual_scale: float = 0.0           # attention's and the FFN's outputs times this before each residual add (granite)
+    logit_scale: float = 0.0              # the logits divided by this, as ggml does: times float32(1 / it) (granite)
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
     layer_rope: tuple[tuple[float, float], ...] = field(default=(), init=False)   # (base, freq_scale) per layer
@@ -98,6 +100,12 @@ class DecoderConfig:
         short, long, n_ctx_orig = self.longrope
         use_long = -(-n_ctx // 256) * 256 > n_ctx_orig
         return dataclasses.replace(self, rope_freq_factors=long if use_long else short, rope_long=use_long)
+
+    @property
+    def logit_multiplier(self) -> np.float32:
+        """What the logits are multiplied by: float32(1 / logit_scale), as ggml_scale(cur, 1.0f /
+        f_logit_scale) rounds it (granite), or 0 for none."""
+        return np.float32(np.float32(1.0) / np.float32(self.logit_scale)) if self.logit_scale else np.float32(0.0)
 
     @property
     def rope_tag(self) -> str:
@@ -364,7 +372,7 @@ class Block:
             np.float32(cfg.attn_softcap), self.wo.exact, self.wo.ggml_type,
             need("post_attention_norm.weight", cfg.post_norms), self.ffn_norm, proj(self.gate_up),
             cfg.activation == "geglu_tanh", gelu_table(), self.w_down.exact, self.w_down.ggml_type,
-            need("post_ffw_norm.weight", cfg.post_norms))
+            need("post_ffw_norm.weight", cfg.post_norms), np.float32(cfg.residual_scale))
         self.shape = fused.buffer_shape(self.weights)     # what its row buffers' shapes depend on
 
 
@@ -487,5 +495,6 @@ class Decoder:
         layout = layout_prefix(out.exact, out.ggml_type, n)
         logits = np.empty((x.shape[0], TRAITS[out.ggml_type].layout_rows(layout)), np.float32)
         fused.output_rows(x, self.output_norm, np.float32(self.cfg.norm_eps), layout, out.ggml_type,
-                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), runs, np.float32(self.cfg.final_softcap), logits)
+                          Q8Buffers.alloc(x.shape[0], self.cfg.n_embd), runs, np.float32(self.cfg.final_softcap),
+                          self.cfg.logit_multiplier, logits)
         return logits[:, :n]

@@ -78,6 +78,7 @@ class LayerWeights(NamedTuple):
     w_down: np.ndarray
     w_down_type: int
     post_ffn_norm: np.ndarray
+    residual_scale: np.float32   # attention's and the FFN's outputs times this before the residual add (granite), else 0
 
 
 class RowBuffers(NamedTuple):
@@ -270,6 +271,8 @@ def _attention(x, cs, w, k_cache, v_cache, plan, b):
     o = b.o[:, :D]
     if w.post_attn_norm.size:
         _norm(o, w.post_attn_norm, w.eps, o, T > 1)
+    if w.residual_scale != 0:
+        _scale(o, w.residual_scale)
     return o
 
 
@@ -295,6 +298,8 @@ def _ffn(x, w, b):
     d = b.d[:, :D]
     if w.post_ffn_norm.size:
         _norm(d, w.post_ffn_norm, w.eps, d, T > 1)
+    if w.residual_scale != 0:
+        _scale(d, w.residual_scale)
     x += d
 
 
@@ -320,13 +325,24 @@ def last_layer(x, cs, w, k_cache, v_cache, plan, b, keep, bk):
     return y
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _scale(a, s):
+    """a (R, N) in place: each element times s, one float32 rounding (ggml_scale)."""
+    for r in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            a[r, i] *= s
+
+
 @njit(cache=True, error_model="numpy")
-def output_rows(x, norm, eps, layout, ggml_type, q8, runs, softcap, logits):
+def output_rows(x, norm, eps, layout, ggml_type, q8, runs, softcap, scale, logits):
     """The final norm and the output matrix for rows x (R, D) into logits (R, layout rows),
-    soft-capped at softcap when it is > 0 (gemma2)."""
+    times scale when it is not 0 (granite's 1 / logit_scale), soft-capped at softcap when it is
+    > 0 (gemma2)."""
     h = np.empty_like(x)
     _norm(x, norm, eps, h, x.shape[0] > 1)
     quantize_into(h, ACT_KIND[ggml_type], q8)
     matmul_row(layout, ggml_type, q8, runs, logits)
+    if scale != 0:
+        _scale(logits, scale)
     if softcap > 0:
         soft_cap_rows(logits, softcap)

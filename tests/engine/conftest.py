@@ -26,7 +26,7 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
 N_VOCAB = 320
 GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
-               "smollm3": 4, "ernie4_5": 2}                                                               # smollm3: layer 3 without rope
+               "smollm3": 4, "ernie4_5": 2, "granite": 2}                                                               # smollm3: layer 3 without rope
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
@@ -109,7 +109,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     quantized matrix stored as its exact dequantization (F32), so that a float32 engine can be
     compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
     carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays).
-    meta: more `{arch}.` keys, ((suffix, value), ...): a float, an int (uint32), a string or a list of bools.
+    meta: more `{arch}.` keys, ((suffix, value), ...): a bool, a float, an int (uint32), a string or a list
+    of bools. granite: always its embedding, residual, logit and attention scales.
     bpe_pre: a byte-level BPE vocabulary instead (tokenizer.ggml.model "gpt2", as Llama 3's files
     carry) with this pre-tokenizer name; its last token, <|endoftext|>, is its BOS and EOS."""
     rng = np.random.default_rng(seed)
@@ -140,8 +141,14 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     if rope_scaling in ("longrope", "longrope-short"):   # as phi3's converter writes them
         w.add_rope_scaling_orig_ctx_len(128 if rope_scaling == "longrope" else 256)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(4096)))   # a 128k model's
+    if arch == "granite":           # Granite 3's constants (a logit scale whose reciprocal rounds; an attention scale not 1/sqrt(64))
+        for suffix, value in (("embedding_scale", 12.0), ("residual_scale", 0.22), ("logit_scale", 6.0),
+                              ("attention.scale", 0.0078125)):
+            w.add_float32(f"{arch}.{suffix}", value)
     for suffix, value in meta:
-        if isinstance(value, list):
+        if isinstance(value, bool):
+            w.add_bool(f"{arch}.{suffix}", value)
+        elif isinstance(value, list):
             w.add_array(f"{arch}.{suffix}", value)
         elif isinstance(value, str):
             w.add_string(f"{arch}.{suffix}", value)

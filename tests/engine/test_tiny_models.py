@@ -75,12 +75,13 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # Rope scaling: Llama 3's per-pair frequency factors (rope_freqs.weight), linear scaling (gemma3's
 # 4B-27B: on its global layers only), phi3's LongRoPE with each of its factor sets (and its
 # attn_factor on cos and sin), and YaRN (Qwen's 128k files). SmolLM3: every fourth layer without rope
-# (its layer 3 of 4), alone and beside YaRN on the others. ERNIE 4.5 (dense): llama's layer.
+# (its layer 3 of 4), alone and beside YaRN on the others. ERNIE 4.5 (dense): llama's layer. Granite:
+# llama's with its four scales (embeddings, scores, residual branches, logits).
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
               ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short"),
               ("llama", 1e4, "yarn"), ("qwen2", 1e6, "yarn"), ("smollm3", 1e4, None), ("smollm3", 5e5, "yarn"),
-              ("ernie4_5", 5e5, None)]
+              ("ernie4_5", 5e5, None), ("granite", 1e4, None), ("granite", 5e5, "llama3")]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of
@@ -139,6 +140,7 @@ META_CASES = [
     ("gemma3", (("attention.sliding_window_pattern", 3),)),
     ("gemma3", (("attention.sliding_window_pattern", 0),)),
     ("gemma2", (("attention.sliding_window_pattern", [False, True, True, False]),)),
+    ("granite", (("rope.scaling.finetuned", False),)),
 ]
 
 

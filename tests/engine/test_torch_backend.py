@@ -27,7 +27,8 @@ from models.errors import BadInputError
 # Each weight type with a Triton GEMV on some architecture, and every architecture. Q6_K rides the
 # 2-layer llama: its GEMV is the slowest in the interpreter (on the 6-layer gemma3 it took 12% of the suite).
 CASES = [("llama", "Q6_K"), ("qwen2", "Q4_K"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0"),
-         ("gemma2", "Q8_0"), ("phi3", "Q4_K"), ("llama", "Q4_0")]   # Q4_0: no Triton GEMV kernel, dequantized at load
+         ("gemma2", "Q8_0"), ("phi3", "Q4_K"), ("llama", "Q4_0"),   # Q4_0: no Triton GEMV kernel, dequantized at load
+         ("granite", "Q8_0")]                                       # granite: its four scales
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, 320, 39)]   # 40: three cache blocks
 TOL = 0.01
 N_GREEDY = 16

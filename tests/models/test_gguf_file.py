@@ -166,3 +166,13 @@ def test_absurd_counts_do_not_allocate(tmp_path):
     (tmp_path / "n.gguf").write_bytes(bytes(data))
     with pytest.raises(BadInputError, match="corrupt|truncated"):
         GGUFFile(tmp_path / "n.gguf")
+
+
+def test_granite_vision_deepstack_is_refused(tmp_path):
+    """Granite Vision's files (granite architecture) add image features inside the layers
+    (`granite.deepstack_mapping`), which the engines do not: refused, so auto hands them to llama.cpp."""
+    from tests.engine.conftest import write_tiny_model
+    plain = open_model(write_tiny_model(tmp_path / "g.gguf", "granite", "F32"))
+    assert plain.unsupported() is None
+    g = open_model(write_tiny_model(tmp_path / "v.gguf", "granite", "F32", meta=(("deepstack_mapping", [False, True]),)))
+    assert g.unsupported() == "deepstack layers"
