@@ -24,6 +24,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "smollm3": ("models.smollm3", "SmolLM3Config"),
     "ernie4_5": ("models.ernie4_5", "Ernie45Config"),
     "granite": ("models.granite", "GraniteConfig"),
+    "exaone": ("models.exaone", "ExaoneConfig"),
+    "gemma": ("models.gemma", "GemmaConfig"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by

@@ -209,7 +209,7 @@ PRE_CORPUS = CORPUS + [
 ]
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o", "gpt-2", "smollm", "command-r",
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "dbrx", "tekken", "gpt-4o", "gpt-2", "smollm", "command-r", "exaone",
                                  "falcon", "deepseek-llm", "deepseek-coder", "deepseek-v3", "default", None])
 def test_bpe_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
     """Each pre-tokenizer name we know (Qwen, Llama 3, Phi-4's dbrx, Mistral Nemo's tekken,

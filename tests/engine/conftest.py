@@ -26,7 +26,7 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
 N_VOCAB = 320
 GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
-               "smollm3": 4, "ernie4_5": 2, "granite": 2}                                                               # smollm3: layer 3 without rope
+               "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2}                                                               # smollm3: layer 3 without rope
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
@@ -128,7 +128,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         w.add_attn_logit_softcapping(softcaps[0])
         w.add_final_logit_softcapping(softcaps[1])
     w.add_file_type(0)
-    if arch in ("gemma2", "gemma3", "qwen3"):
+    if arch in ("gemma", "gemma2", "gemma3", "qwen3"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
     if arch in ("gemma2", "gemma3") or sliding_window:
@@ -193,7 +193,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         for kind, top in (("long", 40.0), ("short", 1.5)):
             w.add_tensor(f"rope_factors_{kind}.weight", np.geomspace(1.0, top, HEAD_DIM // 2).astype(np.float32))
     mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
-    if arch not in ("gemma2", "gemma3"):  # the gemmas tie the output to token_embd
+    if arch not in ("gemma", "gemma2", "gemma3"):  # the gemmas tie the output to token_embd
         mat("output.weight", N_VOCAB, N_EMBD, 0.5)
     vec("output_norm.weight", N_EMBD)
     qd, kvd = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM

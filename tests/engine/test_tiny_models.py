@@ -76,12 +76,14 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # 4B-27B: on its global layers only), phi3's LongRoPE with each of its factor sets (and its
 # attn_factor on cos and sin), and YaRN (Qwen's 128k files). SmolLM3: every fourth layer without rope
 # (its layer 3 of 4), alone and beside YaRN on the others. ERNIE 4.5 (dense): llama's layer. Granite:
-# llama's with its four scales (embeddings, scores, residual branches, logits).
+# llama's with its four scales (embeddings, scores, residual branches, logits). EXAONE 3.x: llama's with
+# neox rope. Gemma (1): scaled embeddings, Q scaled before attention, GeGLU, no post-norms.
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
               ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short"),
               ("llama", 1e4, "yarn"), ("qwen2", 1e6, "yarn"), ("smollm3", 1e4, None), ("smollm3", 5e5, "yarn"),
-              ("ernie4_5", 5e5, None), ("granite", 1e4, None), ("granite", 5e5, "llama3")]
+              ("ernie4_5", 5e5, None), ("granite", 1e4, None), ("granite", 5e5, "llama3"),
+              ("exaone", 1e6, None), ("exaone", 5e5, "llama3"), ("gemma", 1e4, None)]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of
