@@ -72,7 +72,7 @@ def settle(backend: str, device: str, gguf: GGUFFile, n_ctx: int, auto_backend: 
     why). --device auto leaves CUDA for the native engine when the model and its KV cache do not
     fit in the GPU's free memory (said through `note`)."""
     if auto_backend and not (device == "cuda" and not auto_device):    # (--device cuda: the torch engine only)
-        lacks = gguf.unsupported(cpu=device != "cuda")
+        lacks = gguf.unsupported(cpu=device != "cuda", n_ctx=n_ctx)
         if lacks is not None:
             return "llama.cpp", "cpu", lacks
         backend = "native" if backend == "auto" else backend
@@ -231,7 +231,7 @@ class Engine:
         if self._draft is not None:
             self._draft[1].close()
             self._draft = None
-        g = open_model(registry.resolve(draft_model, self.progress)).require_supported()
+        g = open_model(registry.resolve(draft_model, self.progress)).require_supported(n_ctx=self.n_ctx)
         tokenizer = Tokenizer.from_gguf(g)
         if tokenizer.tokens != self.tokenizer.tokens:
             raise BadInputError(f"the draft model {draft_model} has a different vocabulary from {self.model_name}")

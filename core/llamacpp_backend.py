@@ -27,8 +27,10 @@ class LlamaCppBackend(Backend):
 
         threads = threads or os.cpu_count() or 1
         try:
+            # YaRN's betas -1: the file's (llama.cpp's own default; llama-cpp-python's would force 32 and 1)
             self.llm = llama_cpp.Llama(model_path=str(gguf.path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                                       n_threads_batch=threads, logits_all=logits_all, verbose=False)
+                                       n_threads_batch=threads, logits_all=logits_all, verbose=False,
+                                       yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
         except (ValueError, RuntimeError) as e:
             raise BadInputError(f"llama.cpp could not load {gguf.path.name}: {e}") from None
         if self.llm.n_vocab() != tokenizer.n_vocab:

@@ -59,7 +59,7 @@ class NativeBackend(PagedBackend):
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, threads: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
                  n_blocks: int | None = None):
-        gguf.require_supported()
+        gguf.require_supported(n_ctx=n_ctx)
         super().__init__(tokenizer, n_ctx)
         import numba
 

@@ -94,7 +94,7 @@ class TorchBackend(PagedBackend):
         check_device(device)
         # read before the load: a bad KVCHAT_CUDA_GRAPHS costs no wait
         graphs_on = env_choice("KVCHAT_CUDA_GRAPHS", ("0", "1"), "1") == "1" and device == "cuda"
-        gguf.require_supported(cpu=False)
+        gguf.require_supported(cpu=False, n_ctx=n_ctx)
         super().__init__(tokenizer, n_ctx)
         import torch
 

@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "granite": ("models.granite", "GraniteConfig"),
     "exaone": ("models.exaone", "ExaoneConfig"),
     "gemma": ("models.gemma", "GemmaConfig"),
+    "mistral3": ("models.mistral3", "Mistral3Config"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by
@@ -36,6 +37,9 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 # architecture we run but llama with rope.scaling.type "longrope", which we do not.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 LONGROPE_ARCHS = ("phi3",)
+# Architectures whose Q llama.cpp scales by an attention temperature that grows with the position
+# (GGUFFile.attn_temperature_floor)
+ATTN_TEMPERATURE_ARCHS = ("mistral3",)
 # Every tensor the engines read (a layer's as blk.N.<name>). A file with any other (biases of the
 # output projection or the FFN, a mixture of experts' routers and experts) would run without it
 # and compute something else than llama.cpp does, so it is refused (and --backend auto hands it to

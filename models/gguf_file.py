@@ -25,8 +25,8 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.types import SUPPORTED as SUPPORTED_TYPES
-from models.architectures import (ARCHITECTURES, KNOWN_LAYER_TENSORS, KNOWN_TENSORS, LONGROPE_ARCHS, LONGROPE_TENSORS,
-                                  ROPE_SCALING_TYPES)
+from models.architectures import (ARCHITECTURES, ATTN_TEMPERATURE_ARCHS, KNOWN_LAYER_TENSORS, KNOWN_TENSORS,
+                                  LONGROPE_ARCHS, LONGROPE_TENSORS, ROPE_SCALING_TYPES)
 from models.errors import BadInputError, env_choice
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -284,10 +284,11 @@ class GGUFFile:
         return Counter(t.type_name for t in self.tensors.values())
 
     # --- checks the engines need -----------------------------------------------------------
-    def unsupported(self, cpu: bool = True) -> str | None:
+    def unsupported(self, cpu: bool = True, n_ctx: int | None = None) -> str | None:
         """What of this file kvchat's own engines do not run ("architecture 'phi2'", "tensor type
         TQ2_0"), or None when they run all of it. (llama.cpp may still run it: --backend auto.)
-        cpu: the CPU engine's, which runs every matrix on an exact kernel (kernels.cpu.qdot)."""
+        cpu: the CPU engine's, which runs every matrix on an exact kernel (kernels.cpu.qdot).
+        n_ctx: the context it would run with (mistral3's attention temperature depends on it)."""
         if self.arch not in ARCHITECTURES:
             return f"architecture '{self.arch}'"
         scaling = self.arch_get("rope.scaling.type") or "none"
@@ -297,6 +298,9 @@ class GGUFFile:
             return "LongRoPE rope scaling"
         if self.arch_get("deepstack_mapping") is not None:     # Granite Vision's image features in the layers
             return "deepstack layers"
+        floor = self.attn_temperature_floor
+        if floor is not None and n_ctx is not None and n_ctx > floor:
+            return f"attention temperature scaling past {floor} tokens of context (--ctx {floor} runs it)"
         value_len, n_head = self.arch_get("attention.value_length"), self.arch_get("attention.head_count")
         if isinstance(value_len, int) and isinstance(n_head, int) and n_head > 0:   # (the engines' K and V heads are one size)
             key_len = self.arch_get("attention.key_length") or int(self.arch_get("embedding_length") or 0) // n_head
@@ -323,9 +327,18 @@ class GGUFFile:
                 return f"{t.type_name} matrices of {t.shape[1]} rows ({name})"
         return None
 
-    def require_supported(self, cpu: bool = True) -> "GGUFFile":
+    @property
+    def attn_temperature_floor(self) -> int | None:
+        """mistral3's attention temperature (Llama 4's): llama.cpp multiplies Q at position p by
+        1 + scale * ln(floor(p / F) + 1), F the YaRN original context; below F that is exactly 1, and
+        kvchat's engines run such a file only with a context of at most F tokens. None: no such scaling."""
+        if self.arch not in ATTN_TEMPERATURE_ARCHS or not self.arch_get("attention.temperature_scale"):
+            return None
+        return int(self.arch_get("rope.scaling.original_context_length") or self.arch_get("context_length") or 0)
+
+    def require_supported(self, cpu: bool = True, n_ctx: int | None = None) -> "GGUFFile":
         """Refuse architectures and tensor types kvchat's engines cannot run."""
-        reason = self.unsupported(cpu)
+        reason = self.unsupported(cpu, n_ctx)
         if reason is not None:
             known = f" (it runs {', '.join(ARCHITECTURES)})" if reason.startswith("architecture") else ""
             raise BadInputError(f"kvchat's engine does not run {reason} in {self.path.name}{known}; "

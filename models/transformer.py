@@ -61,6 +61,8 @@ class DecoderConfig:
     longrope: tuple = ()                  # LongRoPE: (short factors, long factors, original context); for_context picks
     rope_long: bool = False               # LongRoPE: rope_freq_factors are the long ones
     rope_yarn_ctx: int = 0                # YaRN: the original context its ramp is computed for (0: no YaRN)
+    yarn_betas: tuple[float, float] = (32.0, 1.0)   # YaRN's beta_fast, beta_slow (llama.cpp's defaults; mistral3 reads the file's)
+    yarn_log_mul: float = 0.0             # YaRN's rope.scaling.yarn_log_multiplier (mistral3), 0: none
     attn_softcap: float = 0.0             # attention scores soft-capped at this before the softmax (gemma2)
     final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
     residual_scale: float = 0.0           # attention's and the FFN's outputs times this before each residual add (granite)
@@ -124,8 +126,9 @@ class DecoderConfig:
         if not self.rope_yarn_ctx:
             return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale, attn_factor=self.rope_attn_factor)
         return dict(freq_factors=self.rope_freq_factors, freq_scale=freq_scale,
-                    attn_factor=float(yarn_mscale(freq_scale, self.rope_attn_factor, self.rope_freq_scale)),
-                    yarn=tuple(map(float, rope_yarn_corr_dims(self.n_rot, self.rope_yarn_ctx, base))))
+                    attn_factor=float(yarn_mscale(freq_scale, self.rope_attn_factor, self.rope_freq_scale,
+                                                  self.yarn_log_mul)),
+                    yarn=tuple(map(float, rope_yarn_corr_dims(self.n_rot, self.rope_yarn_ctx, base, *self.yarn_betas))))
 
     def rope_table(self, positions: np.ndarray, base: float, freq_scale: float) -> np.ndarray:
         """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base and frequency scale

@@ -60,7 +60,8 @@ def logf(x: float) -> np.float32:
 def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float = 32.0,
                         beta_slow: float = 1.0) -> tuple[np.float32, np.float32]:
     """ggml_rope_yarn_corr_dims, in float32 as ggml.c computes it: the rotary pairs between which
-    YaRN ramps from interpolated to extrapolated angles (llama.cpp's default betas 32 and 1)."""
+    YaRN ramps from interpolated to extrapolated angles (llama.cpp's default betas 32 and 1; mistral3
+    files may give theirs)."""
     f = np.float32
 
     def corr_dim(beta):
@@ -69,15 +70,21 @@ def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fas
     return f(max(f(0), start)), f(min(f(n_dims - 1), end))
 
 
-def yarn_mscale(freq_scale: float, attn_factor: float = 1.0, context_freq_scale: float | None = None) -> np.float32:
+def yarn_mscale(freq_scale: float, attn_factor: float = 1.0, context_freq_scale: float | None = None,
+                log_mul: float = 0.0) -> np.float32:
     """The factor on cos and sin of a YaRN file (ext_factor 1) at a layer of this freq_scale, as
-    llama.cpp makes it: llama_context's yarn_attn_factor, get_mscale(1/context_freq_scale) cancelled
-    by 1/(1 + 0.1 ln) and times the file's rope.scaling.attn_factor (libllama, no fma), then ggml's
-    rope_yarn multiplies in 1 + 0.1 logf(1/freq_scale) (ggml-cpu, built with FMA: one fused
-    multiply-add). context_freq_scale: the model's (default freq_scale), where a layer has its own."""
+    llama.cpp makes it: llama_context's yarn_attn_factor, get_mscale(1/context_freq_scale) (over
+    get_mscale with mscale log_mul when the file gives rope.scaling.yarn_log_multiplier, which
+    llama.cpp reads for mistral3) cancelled by 1/(1 + 0.1 ln) and times the file's
+    rope.scaling.attn_factor (libllama, no fma), then ggml's rope_yarn multiplies in
+    1 + 0.1 logf(1/freq_scale) (ggml-cpu, built with FMA: one fused multiply-add).
+    context_freq_scale: the model's (default freq_scale), where a layer has its own."""
     f = np.float32
     factor = f(f(1) / f(freq_scale if context_freq_scale is None else context_freq_scale))
-    m = f(f(f(0.1) * f(1)) * logf(factor)) + f(1) if factor > 1 else f(1)
+
+    def get_mscale(mscale):         # llama_context's: scale <= 1 ? 1 : 0.1f * mscale * logf(scale) + 1.0f
+        return f(f(f(0.1) * f(mscale)) * logf(factor)) + f(1) if factor > 1 else f(1)
+    m = f(get_mscale(1.0) / get_mscale(log_mul)) if log_mul else get_mscale(1.0)
     m = f(m * f(f(1) / f(f(1) + f(f(0.1) * logf(factor)))))
     m = f(m * f(attn_factor))
     return f(m * np.float32(_fmaf(f(0.1), logf(f(1) / f(freq_scale)), f(1))))

@@ -366,3 +366,21 @@ def test_a_vocabulary_we_lack_is_tokenized_by_llamacpp(tmp_path):
         out = run_kvchat("run", "-m", str(unknown), "--backend", backend, "hi")
         err = out.stderr.decode()
         assert out.returncode == 2 and len(err.strip().splitlines()) == 1 and "pre-tokenizer 'nonsense'" in err, err
+
+
+def test_mistral3_past_its_temperature_floor_runs_on_llamacpp(tmp_path):
+    """A mistral3 file's attention temperature is exactly 1 within its YaRN original context (here
+    128): --ctx 128 runs on kvchat's engine, a longer context on llama.cpp (one line), with the same
+    greedy tokens for a short prompt; --backend native refuses the longer context in one line."""
+    from tests.engine.conftest import write_tiny_model
+    path = str(write_tiny_model(tmp_path / "m3.gguf", "mistral3", "Q8_0", meta=(("rope.scaling.original_context_length", 128),)))
+    greedy = ["--no-chat", "--temperature", "0", "-n", "6", "--json", "the cat sat"]
+    within, past = (run_kvchat("run", "-m", path, "--ctx", ctx, *greedy) for ctx in ("128", "200"))
+    assert within.returncode == 0 and past.returncode == 0, past.stderr.decode()
+    assert json.loads(within.stdout)["backend"] == "native" and json.loads(past.stdout)["backend"] == "llama.cpp"
+    assert "attention temperature scaling past 128 tokens of context (--ctx 128 runs it) yet; using llama.cpp" \
+        in past.stderr.decode()
+    assert json.loads(within.stdout)["tokens"] == json.loads(past.stdout)["tokens"]
+    native = run_kvchat("run", "-m", path, "--ctx", "200", "--backend", "native", *greedy)
+    err = native.stderr.decode()
+    assert native.returncode == 2 and len(err.strip().splitlines()) == 1 and "attention temperature" in err, err

@@ -26,7 +26,7 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
 N_VOCAB = 320
 GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
-               "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2}                                                               # smollm3: layer 3 without rope
+               "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2, "mistral3": 2}                                                               # smollm3: layer 3 without rope
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
@@ -110,7 +110,8 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     compared with the native engine's float32 arithmetic on it. sliding_window: the key Mistral's files
     carry (llama); the gemmas always have theirs. extra: more tensors by name (float32 arrays).
     meta: more `{arch}.` keys, ((suffix, value), ...): a bool, a float, an int (uint32), a string or a list
-    of bools. granite: always its embedding, residual, logit and attention scales.
+    of bools. granite: always its embedding, residual, logit and attention scales; mistral3: its YaRN betas
+    and log multiplier and its attention temperature.
     bpe_pre: a byte-level BPE vocabulary instead (tokenizer.ggml.model "gpt2", as Llama 3's files
     carry) with this pre-tokenizer name; its last token, <|endoftext|>, is its BOS and EOS."""
     rng = np.random.default_rng(seed)
@@ -144,6 +145,10 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     if arch == "granite":           # Granite 3's constants (a logit scale whose reciprocal rounds; an attention scale not 1/sqrt(64))
         for suffix, value in (("embedding_scale", 12.0), ("residual_scale", 0.22), ("logit_scale", 6.0),
                               ("attention.scale", 0.0078125)):
+            w.add_float32(f"{arch}.{suffix}", value)
+    if arch == "mistral3":          # Ministral 3's keys (its YaRN log multiplier and temperature), betas not llama.cpp's defaults
+        for suffix, value in (("rope.scaling.yarn_beta_fast", 16.0), ("rope.scaling.yarn_beta_slow", 2.0),
+                              ("rope.scaling.yarn_log_multiplier", 1.0), ("attention.temperature_scale", 0.1)):
             w.add_float32(f"{arch}.{suffix}", value)
     for suffix, value in meta:
         if isinstance(value, bool):

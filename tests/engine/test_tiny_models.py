@@ -23,6 +23,7 @@ import pytest
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import NativeBackend
 from models.architectures import load_config
+from models.errors import BadInputError
 from tests.engine import conftest as fx
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
@@ -77,13 +78,15 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # attn_factor on cos and sin), and YaRN (Qwen's 128k files). SmolLM3: every fourth layer without rope
 # (its layer 3 of 4), alone and beside YaRN on the others. ERNIE 4.5 (dense): llama's layer. Granite:
 # llama's with its four scales (embeddings, scores, residual branches, logits). EXAONE 3.x: llama's with
-# neox rope. Gemma (1): scaled embeddings, Q scaled before attention, GeGLU, no post-norms.
+# neox rope. Gemma (1): scaled embeddings, Q scaled before attention, GeGLU, no post-norms. Mistral 3:
+# llama's layer with the file's YaRN betas and log multiplier, and an attention temperature.
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
               ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short"),
               ("llama", 1e4, "yarn"), ("qwen2", 1e6, "yarn"), ("smollm3", 1e4, None), ("smollm3", 5e5, "yarn"),
               ("ernie4_5", 5e5, None), ("granite", 1e4, None), ("granite", 5e5, "llama3"),
-              ("exaone", 1e6, None), ("exaone", 5e5, "llama3"), ("gemma", 1e4, None)]
+              ("exaone", 1e6, None), ("exaone", 5e5, "llama3"), ("gemma", 1e4, None),
+              ("mistral3", 1e6, None), ("mistral3", 1e6, "yarn")]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of
@@ -239,3 +242,22 @@ def test_prefill_in_chunks_then_decode_equals_one_pass(tiny_model):
     np.testing.assert_allclose(out, full[12:30], atol=2e-2 * np.abs(full).max())
     assert "used" in native.kv_block_map() or "shared" in native.kv_block_map()
     native.close()
+
+
+def test_mistral3_reads_its_yarn_keys_and_stops_at_its_temperature_floor(tiny_model):
+    """mistral3's YaRN betas and log multiplier change the logits (against llama's reading of the
+    same weights, which ignores them; each bit for bit with llama.cpp above). Its attention
+    temperature is exactly 1 below the YaRN original context: the engines run the file with a
+    context up to it, bit for bit with llama.cpp, and refuse a longer one (auto: llama.cpp)."""
+    mistral, llama = (_native_logits(*tiny_model(a, "Q8_0", 1e6, "yarn")) for a in ("mistral3", "llama"))
+    assert np.abs(mistral - llama).max() > 1e-2
+    g, tok = tiny_model("mistral3", "Q8_0", meta=(("rope.scaling.original_context_length", 128),))
+    assert g.unsupported(n_ctx=128) is None
+    assert g.unsupported(n_ctx=129) == "attention temperature scaling past 128 tokens of context (--ctx 128 runs it)"
+    with pytest.raises(BadInputError, match="attention temperature"):
+        NativeBackend(g, tok, 129, 2)
+    ll = LlamaCppBackend(g, tok, 128, 2, logits_all=True)
+    try:
+        np.testing.assert_array_equal(_native_logits(g, tok, 128), ll.logits_all(IDS))
+    finally:
+        ll.close()
