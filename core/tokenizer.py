@@ -218,7 +218,7 @@ class Tokenizer:
         specials = [(t, i, types[i] in (CONTROL, UNKNOWN), i in rstrip) for i, t in enumerate(tokens)
                     if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) and t]
         self._specials = sorted(specials, key=lambda s: -len(s[0]))
-        # what kvchat cannot split as llama.cpp does: such a file runs (and tokenizes) on llama.cpp
+        # what kvchat cannot split as llama.cpp does (from_gguf then hands the splitting to llama.cpp: delegate_to)
         self.lacks = vocabulary_lacks(model, pre)
         self._llama = self._llama_vocab = None      # llama.cpp's load of the vocabulary (delegate_to)
         if self.lacks is None and model == "gpt2":
