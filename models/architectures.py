@@ -27,6 +27,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "exaone": ("models.exaone", "ExaoneConfig"),
     "gemma": ("models.gemma", "GemmaConfig"),
     "mistral3": ("models.mistral3", "Mistral3Config"),
+    "qwen3vl": ("models.qwen3vl", "Qwen3VLConfig"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by

@@ -11,6 +11,7 @@ _.model_type, _.byte_fallback, _.vocab_size, _.add_dummy_prefix  # core/tokenize
 _.remove_extra_whitespaces, _.escape_whitespaces, _.score  # core/tokenizer.py: sentencepiece proto fields
 LlamaConfig, Qwen2Config, Qwen3Config, Phi3Config, Gemma2Config, Gemma3Config  # models/architectures.py: by name
 SmolLM3Config, Ernie45Config, GraniteConfig, ExaoneConfig, GemmaConfig, Mistral3Config  # ... and these
+Qwen3VLConfig  # ... and this
 n_ctx_train, n_ff  # models/transformer.py: the model's trained context and FFN width, config fields
 pytestmark  # tests: pytest reads it
 _isolated_dirs, qwen15_path, kv_root  # tests: pytest fixtures, requested by name

@@ -26,7 +26,8 @@ WORDS = ["▁the", "▁a", "▁cat", "▁dog", "▁sat", "▁on", "▁mat", "▁
 N_VOCAB = 320
 GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
-               "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2, "mistral3": 2}                                                               # smollm3: layer 3 without rope
+               "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2, "mistral3": 2,
+               "qwen3vl": 2}                                                               # smollm3: layer 3 without rope
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
@@ -129,7 +130,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         w.add_attn_logit_softcapping(softcaps[0])
         w.add_final_logit_softcapping(softcaps[1])
     w.add_file_type(0)
-    if arch in ("gemma", "gemma2", "gemma3", "qwen3"):
+    if arch in ("gemma", "gemma2", "gemma3", "qwen3", "qwen3vl"):
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
     if arch in ("gemma2", "gemma3") or sliding_window:
@@ -146,6 +147,9 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         for suffix, value in (("embedding_scale", 12.0), ("residual_scale", 0.22), ("logit_scale", 6.0),
                               ("attention.scale", 0.0078125)):
             w.add_float32(f"{arch}.{suffix}", value)
+    if arch == "qwen3vl":           # the rotary pairs' sections (time, height, width, extra): pair 31 is the extra one's
+        w.add_array(f"{arch}.rope.dimension_sections", [12, 10, 10, 0])
+        w.add_uint32(f"{arch}.n_deepstack_layers", 1)     # (a text token's deepstack features: zeros)
     if arch == "mistral3":          # Ministral 3's keys (its YaRN log multiplier and temperature), betas not llama.cpp's defaults
         for suffix, value in (("rope.scaling.yarn_beta_fast", 16.0), ("rope.scaling.yarn_beta_slow", 2.0),
                               ("rope.scaling.yarn_log_multiplier", 1.0), ("attention.temperature_scale", 0.1)):
@@ -215,7 +219,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         if arch == "qwen2":
             for n, d in (("q", qd), ("k", kvd), ("v", kvd)):
                 vec(p + f"attn_{n}.bias", d, 0.0, 0.3)
-        if arch in ("gemma3", "qwen3"):
+        if arch in ("gemma3", "qwen3", "qwen3vl"):
             vec(p + "attn_q_norm.weight", HEAD_DIM)
             vec(p + "attn_k_norm.weight", HEAD_DIM)
         if arch in ("gemma2", "gemma3"):

@@ -79,14 +79,15 @@ def test_llamacpp_oracle_is_the_avx2_build():
 # (its layer 3 of 4), alone and beside YaRN on the others. ERNIE 4.5 (dense): llama's layer. Granite:
 # llama's with its four scales (embeddings, scores, residual branches, logits). EXAONE 3.x: llama's with
 # neox rope. Gemma (1): scaled embeddings, Q scaled before attention, GeGLU, no post-norms. Mistral 3:
-# llama's layer with the file's YaRN betas and log multiplier, and an attention temperature.
+# llama's layer with the file's YaRN betas and log multiplier, and an attention temperature. Qwen3-VL
+# on text: interleaved multi-section rope (a pair of the extra section turns by position 0), deepstack zeros.
 ROPE_CASES = [("llama", 1e4, None), ("llama", 5e5, None), ("qwen2", 1e4, None), ("qwen2", 5e5, None),
               ("qwen3", 1e6, None), ("phi3", 1e4, None), ("gemma2", None, None), ("gemma3", None, None), ("llama", 5e5, "llama3"),
               ("llama", 1e4, "linear"), ("gemma3", None, "linear"), ("phi3", 1e4, "longrope"), ("phi3", 1e4, "longrope-short"),
               ("llama", 1e4, "yarn"), ("qwen2", 1e6, "yarn"), ("smollm3", 1e4, None), ("smollm3", 5e5, "yarn"),
               ("ernie4_5", 5e5, None), ("granite", 1e4, None), ("granite", 5e5, "llama3"),
               ("exaone", 1e6, None), ("exaone", 5e5, "llama3"), ("gemma", 1e4, None),
-              ("mistral3", 1e6, None), ("mistral3", 1e6, "yarn")]
+              ("mistral3", 1e6, None), ("mistral3", 1e6, "yarn"), ("qwen3vl", 5e6, None)]
 
 
 # The weight types with exact kernels. The rope cases and the weight type are independent parts of

@@ -72,12 +72,12 @@ def test_prefill_decode_and_greedy_match_native(arch, qtype, tiny_model):
 
 @pytest.mark.parametrize("arch,rope", [("llama", (5e5, "llama3")), ("llama", (1e4, "linear")), ("gemma3", (None, "linear")),
                                        ("phi3", (1e4, "longrope")), ("qwen2", (1e6, "yarn")), ("smollm3", (1e4, "yarn")),
-                                       ("mistral3", (1e6, "yarn"))])
+                                       ("mistral3", (1e6, "yarn")), ("qwen3vl", (5e6, None))])
 def test_rope_scaling_matches_native(tiny_model, arch, rope):
     """Llama 3's frequency factors, linear rope scaling (gemma3's on its global layers only),
     phi3's LongRoPE (its long factors, as a 128-token context padded to 256 exceeds the file's
     original 128, and its attn_factor) and YaRN in the Triton rope kernel; SmolLM3's layer without
-    rope beside YaRN's; mistral3's YaRN betas and log multiplier."""
+    rope beside YaRN's; mistral3's YaRN betas and log multiplier; qwen3vl's extra-section pair."""
     torch_be, native = engines(tiny_model, arch, "Q8_0", *rope)
     close(torch_be.logits_all(IDS), native.logits_all(IDS))
 
