@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.cpu.libm import inv_sqrtf, sqrtf
+from models.gemma2 import gemma_family
 from models.gguf_file import GGUFFile
 from models.transformer import DecoderConfig
 
@@ -17,5 +17,4 @@ class GemmaConfig(DecoderConfig):
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "GemmaConfig":
         c = cls.common_from_gguf(g)
-        return cls(**c, rope_neox=True, activation="geglu_tanh", embed_scale=float(sqrtf(c["n_embd"])),
-                   attn_scale=float(inv_sqrtf(c["head_dim"])), scale_q=True)
+        return cls(**c, **{**gemma_family(c, n_layer_27b=-1), "post_norms": False})     # (no 27B: Q by key_length)

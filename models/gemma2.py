@@ -26,9 +26,9 @@ DEFAULT_ATTN_SOFTCAP, DEFAULT_FINAL_SOFTCAP = 50.0, 30.0      # llama_hparams' d
 
 
 def gemma_family(c: dict, n_layer_27b: int) -> dict:
-    """What Gemma 2 and Gemma 3 share: neox rope, post-norms, GeGLU, embeddings times sqrt(n_embd),
-    and Q times 1/sqrt(key_length) before attention, 1/sqrt(n_embd / n_head) for the 27B (the
-    model with n_layer_27b layers)."""
+    """What Gemma 2 and Gemma 3 share (and Gemma 1, models.gemma, without the post-norms): neox rope,
+    post-norms, GeGLU, embeddings times sqrt(n_embd), and Q times 1/sqrt(key_length) before
+    attention, 1/sqrt(n_embd / n_head) for the 27B (the model with n_layer_27b layers)."""
     pre_attn = c["n_embd"] // c["n_head"] if c["n_layer"] == n_layer_27b else c["head_dim"]
     return dict(rope_neox=True, post_norms=True, activation="geglu_tanh", embed_scale=float(sqrtf(c["n_embd"])),
                 attn_scale=float(inv_sqrtf(pre_attn)), scale_q=True)

@@ -162,6 +162,13 @@ class DecoderConfig:
         )
 
 
+def arch_number(g: GGUFFile, key: str, default: float) -> float:
+    """`{arch}.{key}` as a float, or default where the file has no number there (a GGUF is
+    untrusted: a value of another type counts as absent)."""
+    value = g.arch_get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
 def rope_freq_scale(g: GGUFFile) -> float:
     """llama.cpp's rope_freq_scale_train: 1 / rope.scaling.factor (or the older key
     rope.scale_linear) under linear scaling, which is what a file with no rope.scaling.type gets,
