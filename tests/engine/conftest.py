@@ -28,6 +28,14 @@ GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
                "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2, "mistral3": 2,
                "qwen3vl": 2}                                                               # smollm3: layer 3 without rope
+# The float keys a tiny model of these architectures always carries: Granite 3's constants (a logit
+# scale whose reciprocal rounds; an attention scale not 1/sqrt(64)); Ministral 3's YaRN log multiplier
+# and attention temperature, and YaRN betas not llama.cpp's defaults.
+ARCH_FLOAT_KEYS = {
+    "granite": (("embedding_scale", 12.0), ("residual_scale", 0.22), ("logit_scale", 6.0), ("attention.scale", 0.0078125)),
+    "mistral3": (("rope.scaling.yarn_beta_fast", 16.0), ("rope.scaling.yarn_beta_slow", 2.0),
+                 ("rope.scaling.yarn_log_multiplier", 1.0), ("attention.temperature_scale", 0.1)),
+}
 # gemma2's soft-caps, small enough that these random models' scores and logits bend under them
 GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4.0, 30.0
 
@@ -143,17 +151,11 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     if rope_scaling in ("longrope", "longrope-short"):   # as phi3's converter writes them
         w.add_rope_scaling_orig_ctx_len(128 if rope_scaling == "longrope" else 256)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(4096)))   # a 128k model's
-    if arch == "granite":           # Granite 3's constants (a logit scale whose reciprocal rounds; an attention scale not 1/sqrt(64))
-        for suffix, value in (("embedding_scale", 12.0), ("residual_scale", 0.22), ("logit_scale", 6.0),
-                              ("attention.scale", 0.0078125)):
-            w.add_float32(f"{arch}.{suffix}", value)
+    for suffix, value in ARCH_FLOAT_KEYS.get(arch, ()):
+        w.add_float32(f"{arch}.{suffix}", value)
     if arch == "qwen3vl":           # the rotary pairs' sections (time, height, width, extra): pair 31 is the extra one's
         w.add_array(f"{arch}.rope.dimension_sections", [12, 10, 10, 0])
         w.add_uint32(f"{arch}.n_deepstack_layers", 1)     # (a text token's deepstack features: zeros)
-    if arch == "mistral3":          # Ministral 3's keys (its YaRN log multiplier and temperature), betas not llama.cpp's defaults
-        for suffix, value in (("rope.scaling.yarn_beta_fast", 16.0), ("rope.scaling.yarn_beta_slow", 2.0),
-                              ("rope.scaling.yarn_log_multiplier", 1.0), ("attention.temperature_scale", 0.1)):
-            w.add_float32(f"{arch}.{suffix}", value)
     for suffix, value in meta:
         if isinstance(value, bool):
             w.add_bool(f"{arch}.{suffix}", value)
