@@ -393,6 +393,10 @@ def cmd_models(args) -> int:
             print(f"architecture    {info['architecture']}")
             print(f"name            {info['name']}")
             print(f"parameters      {info['parameters']:,} ({info['parameters'] / 1e9:.2f} B)")
+            if info["experts"]:
+                n_expert, n_used = info["experts"]
+                print(f"experts         {n_expert}, {n_used} per token ({info['active_parameters'] / 1e9:.2f} B "
+                      "parameters per token)")
             print(f"tensor types    " + ", ".join(f"{t}: {n}" for t, n in info["tensor_types"].items()))
             print(f"context length  {info['context_length']}")
             print(f"chat template   {'yes' if info['chat_template'] else 'no (completion only)'}")
@@ -402,8 +406,9 @@ def cmd_models(args) -> int:
                                         else "kvchat's (llama.cpp's ids, tested)"))
             print(f"file size       {info['file_size']:,} bytes ({info['file_size'] / 1e6:.1f} MB)")
             lacks = info["kvchat_engine_lacks"]
+            on_gpu = "torch on a GPU" if not info["torch_engine_lacks"] else "llama.cpp on a GPU"
             print("engine          " + (f"llama.cpp (kvchat's engine does not run {lacks} yet)" if lacks
-                                        else "kvchat's own (native on the CPU, torch on a GPU)"))
+                                        else f"kvchat's own (native on the CPU, {on_gpu})"))
             if not lacks:
                 from kernels.cpu.isa import BF16_ENV, ISA_ENV, PREFETCH_ENV, bf16_dot, chosen, prefetch_target, variant
                 print(f"CPU kernels     {variant()} ({ISA_ENV}={chosen()}; every variant computes the same bits), "
@@ -411,8 +416,9 @@ def cmd_models(args) -> int:
                 from models.gguf_file import WEIGHTS_ENV, weights_in_memory
                 print("weights         " + ("read into memory" if weights_in_memory(info["file_size"]) else "mapped from their files")
                       + f" ({WEIGHTS_ENV})")
-            slow = info["torch_dequantized"]
-            print("torch engine    " + (f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow
+            slow, gpu_lacks = info["torch_dequantized"], info["torch_engine_lacks"]
+            print("torch engine    " + (f"does not run {gpu_lacks} yet" if gpu_lacks else
+                                        f"dequantizes {', '.join(slow)} at load (no Triton GEMV kernel)" if slow
                                         else "reads every quantized matrix in place"))
         return EXIT_OK
     raise BadInputError(f"unknown models command {sub}")

@@ -605,3 +605,23 @@ def random_quantized(ggml_type: int, n_rows: int, n_cols: int, rng: np.random.Ge
     data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
     q = gguf.quants.quantize(data, qtype)
     return np.ascontiguousarray(q).view(np.uint8).reshape(n_rows, -1)
+
+
+def moe_route_ref(logits: np.ndarray, n_used: int, norm_weights: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's softmax gating of rows of router logits (T, E): ggml_soft_max (ggml_v_expf on 8
+    lanes, each hsum_float_8 added in float64; the E % 8 tail with libm's expf, here float64's
+    exp rounded, which equals expf for these inputs), ggml_argsort descending (equal values: the
+    lower index first), the first n_used and their probabilities, divided by their float64 sum
+    rounded to float32. -> (selected (T, k) int64, weights (T, k) float32)."""
+    x = np.asarray(logits, np.float32)
+    z = (x - x.max(axis=-1, keepdims=True)).astype(np.float32)
+    n8 = x.shape[-1] // 8 * 8
+    e = np.concatenate([ggml_expf_ref(z[:, :n8]), np.exp(z[:, n8:].astype(np.float64)).astype(np.float32)], axis=1)
+    tot = hsum8_ref(e[:, :n8].reshape(len(x), -1, 8)).astype(np.float64).sum(axis=-1) + e[:, n8:].astype(np.float64).sum(axis=-1)
+    p = (e * (1.0 / tot).astype(np.float32)[:, None]).astype(np.float32)
+    sel = np.argsort(-p, axis=-1, kind="stable")[:, :n_used]
+    w = np.take_along_axis(p, sel, axis=-1)
+    if norm_weights:
+        s = np.maximum(w.astype(np.float64).sum(axis=-1).astype(np.float32), np.float32(6.103515625e-5))
+        w = (w / s[:, None]).astype(np.float32)
+    return sel.astype(np.int64), w

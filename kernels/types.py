@@ -42,6 +42,9 @@ class TypeTraits:
     rows8: bool = False          # exact only for a multiple of 8 rows: llama.cpp repacks such a matrix
                                  # (ggml-cpu/repack.cpp) and takes a kernel not reproduced here for others
     supported: bool = False      # the native engine loads it
+    tiled: bool = False          # ggml-cpu's tiled kernel (ggml-cpu/tiled) takes its batches of 8 rows or more,
+                                 # in mul_mat and in mul_mat_id's per-expert batches; the types llama.cpp
+                                 # repacks or that tiled does not know take a gemv or vec_dot per row there
 
     @property
     def exact(self) -> bool:
@@ -62,11 +65,12 @@ _EXACT = {Q5_0: (ACT_Q8_0, True, False), Q8_0: (ACT_Q8_0, True, False), Q4_0: (A
           Q4_K: (ACT_Q8_K, True, True), Q5_K: (ACT_Q8_K, False, False), Q6_K: (ACT_Q8_K, False, False),
           F32: (ACT_F32, False, False), F16: (ACT_F16, False, False), BF16: (ACT_BF16, False, False),
           Q3_K: (ACT_Q8_K, False, False), Q2_K: (ACT_Q8_K, False, False), IQ4_XS: (ACT_Q8_K, False, False)}
+_TILED = {Q2_K, Q3_K, Q5_K, Q6_K, IQ4_XS}          # (Q4_K too where not repacked, which we do not run)
 _SUPPORTED = {F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS}
 
 TRAITS: dict[int, TypeTraits] = {
     int(t): TypeTraits(int(t), t.name, int(block), int(size), *_EXACT.get(int(t), (None, False, False)),
-                       supported=int(t) in _SUPPORTED)
+                       supported=int(t) in _SUPPORTED, tiled=int(t) in _TILED)
     for t, (block, size) in GGML_QUANT_SIZES.items()
 }
 
@@ -77,6 +81,7 @@ ACT_KIND = np.full(max(TRAITS) + 1, -1, np.int64)
 for _t in TRAITS.values():
     if _t.vec_dot is not None:
         ACT_KIND[_t.id] = _t.vec_dot
+TILED = np.array([TRAITS[i].tiled if i in TRAITS else False for i in range(max(TRAITS) + 1)], np.bool_)
 
 
 def type_name(ggml_type: int) -> str:

@@ -28,6 +28,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {     # name -> (module, config clas
     "gemma": ("models.gemma", "GemmaConfig"),
     "mistral3": ("models.mistral3", "Mistral3Config"),
     "qwen3vl": ("models.qwen3vl", "Qwen3VLConfig"),
+    # the mixture-of-experts variants whose config is their dense twin's (the experts are data:
+    # DecoderConfig.n_expert, kernels.cpu.moe)
+    "qwen3moe": ("models.qwen3", "Qwen3Config"),
+    "qwen3vlmoe": ("models.qwen3vl", "Qwen3VLConfig"),
+    "granitemoe": ("models.granite", "GraniteConfig"),
 }
 
 # rope.scaling.type values the engines run (llama.cpp's names): "linear" scales every angle by
@@ -41,8 +46,13 @@ LONGROPE_ARCHS = ("phi3",)
 # Architectures whose Q llama.cpp scales by an attention temperature that grows with the position
 # (GGUFFile.attn_temperature_floor)
 ATTN_TEMPERATURE_ARCHS = ("mistral3",)
+# Architectures whose layers llama.cpp runs as a mixture of experts (build_moe_ffn with softmax
+# gating, the selected weights normalized, SwiGLU experts) when the file has `expert_count`: Mixtral
+# (llama), Qwen3-MoE, Granite MoE, and the others' MoE files. Their layers may carry EXPERT_TENSORS.
+MOE_ARCHS = ("llama", "granite", "granitemoe", "mistral3", "qwen3moe", "qwen3vlmoe")
+EXPERT_TENSORS = frozenset({"ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"})
 # Every tensor the engines read (a layer's as blk.N.<name>). A file with any other (biases of the
-# output projection or the FFN, a mixture of experts' routers and experts) would run without it
+# output projection or the FFN, shared experts) would run without it
 # and compute something else than llama.cpp does, so it is refused (and --backend auto hands it to
 # llama.cpp).
 KNOWN_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight",

@@ -25,8 +25,8 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
 from kernels.types import SUPPORTED as SUPPORTED_TYPES
-from models.architectures import (ARCHITECTURES, ATTN_TEMPERATURE_ARCHS, KNOWN_LAYER_TENSORS, KNOWN_TENSORS,
-                                  LONGROPE_ARCHS, LONGROPE_TENSORS, ROPE_SCALING_TYPES)
+from models.architectures import (ARCHITECTURES, ATTN_TEMPERATURE_ARCHS, EXPERT_TENSORS, KNOWN_LAYER_TENSORS,
+                                  KNOWN_TENSORS, LONGROPE_ARCHS, LONGROPE_TENSORS, MOE_ARCHS, ROPE_SCALING_TYPES)
 from models.errors import BadInputError, env_choice
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -280,6 +280,15 @@ class GGUFFile:
         return sum(t.n_elements for t in self.tensors.values())
 
     @property
+    def n_active_params(self) -> int:
+        """The parameters one token reads: a mixture of experts' file counts n_used of its experts."""
+        used = self.arch_get("expert_used_count")
+        if not self.n_expert or not isinstance(used, int):
+            return self.n_params
+        experts = sum(t.n_elements for name, t in self.tensors.items() if name.endswith("_exps.weight"))
+        return self.n_params - experts + experts * min(used, self.n_expert) // self.n_expert
+
+    @property
     def type_counts(self) -> Counter:
         return Counter(t.type_name for t in self.tensors.values())
 
@@ -306,14 +315,40 @@ class GGUFFile:
             key_len = self.arch_get("attention.key_length") or int(self.arch_get("embedding_length") or 0) // n_head
             if value_len != key_len:
                 return f"key heads of {key_len} and value heads of {value_len}"
+        layer_tensors = KNOWN_LAYER_TENSORS | (EXPERT_TENSORS if self.n_expert else frozenset())
         unknown = next((name for name in self.tensors if name not in KNOWN_TENSORS and not (
-            name.startswith("blk.") and name.split(".", 2)[-1] in KNOWN_LAYER_TENSORS)), None)
+            name.startswith("blk.") and name.split(".", 2)[-1] in layer_tensors)), None)
         if unknown is not None:
             return f"tensor {unknown}"
+        experts = self.experts_unsupported(cpu)
+        if experts is not None:
+            return experts
         bad = sorted({t.type_name for t in self.tensors.values() if t.ggml_type not in SUPPORTED_TYPES})
         if bad:
             return f"tensor type{'s' if len(bad) > 1 else ''} {', '.join(bad)}"
         return self._cpu_unsupported() if cpu else None
+
+    @property
+    def n_expert(self) -> int:
+        """The experts of a mixture-of-experts file of an architecture whose layers llama.cpp runs as
+        one (models.architectures.MOE_ARCHS), else 0."""
+        n = self.arch_get("expert_count")
+        return n if self.arch in MOE_ARCHS and isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+    def experts_unsupported(self, cpu: bool) -> str | None:
+        """What of a mixture of experts' layers the engines do not run: the torch engine has none;
+        llama.cpp's per-layer expert counts, and experts without gate matrices (llama.cpp then
+        activates the up projection alone), the CPU engine does not run either."""
+        if not self.n_expert:
+            return None
+        if not cpu:
+            return "mixture-of-experts layers on the GPU"
+        if not isinstance(self.arch_get("expert_used_count"), int) or isinstance(self.arch_get("expert_used_count"), bool):
+            return "mixture-of-experts layers without one expert_used_count"
+        if any(name.endswith("ffn_up_exps.weight") and name.replace("_up_", "_gate_") not in self.tensors
+               for name in self.tensors):
+            return "experts without gate matrices"
+        return None
 
     def _cpu_unsupported(self) -> str | None:
         from kernels.cpu.qdot import has_exact_kernel
@@ -322,7 +357,7 @@ class GGUFFile:
             return "this CPU (its kernels need AVX2)"
         tied = "output.weight" not in self.tensors
         for name, t in self.tensors.items():        # the embedding only gathers rows, unless it is the output
-            if len(t.shape) == 2 and (tied or name != "token_embd.weight") and \
+            if len(t.shape) in (2, 3) and (tied or name != "token_embd.weight") and \
                     not has_exact_kernel(t.ggml_type, t.shape[1], t.shape[0]):
                 return f"{t.type_name} matrices of {t.shape[1]} rows ({name})"
         return None
@@ -352,11 +387,14 @@ class GGUFFile:
             "architecture": self.arch,
             "name": self.get("general.name"),
             "parameters": self.n_params,
+            "experts": [self.n_expert, self.arch_get("expert_used_count")] if self.n_expert else None,
+            "active_parameters": self.n_active_params,
             "tensor_types": dict(sorted(self.type_counts.items())),
             "context_length": self.arch_get("context_length"),
             "chat_template": self.chat_template is not None,
             "file_size": self.file_size,
             "kvchat_engine_lacks": self.unsupported(),
+            "torch_engine_lacks": self.unsupported(cpu=False),
             "torch_dequantized": self.torch_dequantized(),
         }
 

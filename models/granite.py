@@ -1,3 +1,8 @@
+"""Granite 3.x (granite) and Granite MoE (granitemoe, the same layer with a mixture of experts,
+kernels.cpu.moe), as llama.cpp's llm_build_granite runs them: llama's layer with four scales from
+the file: the embedding's, the attention scores' (`attention.scale`), each residual branch's
+(`residual_scale`) and the logits' (divided by `logit_scale`). granite's loader reads
+`rope.scaling.finetuned` false as no rope at all; granitemoe's never reads it."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +22,8 @@ class GraniteConfig(LlamaConfig):
         if not logit_scale:
             raise BadInputError(f"{g.path.name} lacks {g.arch}.logit_scale")
         c = super().from_gguf(g)
-        roped = g.arch_get("rope.scaling.finetuned", True) is not False
+        # (granite's loader reads rope.scaling.finetuned as rope on or off; granitemoe's never does)
+        roped = g.arch != "granite" or g.arch_get("rope.scaling.finetuned", True) is not False
         return dataclasses.replace(      # (a scale of 0 counts as none, as llama.cpp's graph tests it)
             c, embed_scale=arch_number(g, "embedding_scale", 0.0) or 1.0,
             attn_scale=arch_number(g, "attention.scale", 0.0) or c.attn_scale,

@@ -5,7 +5,8 @@ permuted the q/k weights from HF's rotate-half layout, so no neox rope here. Lla
 files carry `rope_freqs.weight` (n_rot/2 floats, their "llama3" rope scaling baked in by the
 converter): pair i's angle is divided by factor i, as llama.cpp's ggml_rope_ext does with it.
 Mistral's files (this architecture) may carry `llama.attention.sliding_window`: llama.cpp's llama
-graph never reads it and attends to the whole context, and so do we.
+graph never reads it and attends to the whole context, and so do we. Mixtral's files are llama
+files with a mixture of experts in every layer (`llama.expert_count`; kernels.cpu.moe).
 """
 from __future__ import annotations
 

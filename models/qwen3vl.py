@@ -12,7 +12,8 @@
 - Deepstack: a text token's deepstack features are the zero padding of its embedding, so those
   adds change nothing.
 
-Images (the mmproj file) are not kvchat's.
+Images (the mmproj file) are not kvchat's. qwen3vlmoe (Qwen3-VL-30B-A3B) is this config with a
+mixture of experts in every layer (kernels.cpu.moe).
 """
 from __future__ import annotations
 

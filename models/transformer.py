@@ -1,10 +1,11 @@
-"""The decoder shared by llama, qwen2, qwen3, phi3, gemma2 and gemma3: weights loader, config base, block, model.
+"""The decoder shared by every architecture (models.architectures): weights loader, config base, block, model.
 
-Each architecture file (llama.py, qwen2.py, qwen3.py, gemma2.py, gemma3.py) fills a frozen
+Each architecture file (llama.py, qwen2.py, qwen3.py, gemma2.py, gemma3.py, ...) fills a frozen
 `DecoderConfig` from its GGUF metadata; the differences between them are data in that config
 (biases, rope style and scaling, Q/K norms, post-norms, activation, embedding scale, per-layer
-window and rope base, soft-capping), so one forward pass serves them all. The arithmetic of a layer
-is kernels.cpu.fused.layer's, written once; here are the weights it reads and the plan of each pass.
+window and rope base, soft-capping, scales, a mixture of experts), so one forward pass serves them
+all. The arithmetic of a layer is kernels.cpu.fused.layer's (kernels.cpu.moe.layer's where the FFN
+is a mixture of experts), written once; here are the weights it reads and the plan of each pass.
 Nothing here imports numba.
 
 Shapes: T tokens, D = n_embd, Hq / Hkv query / kv heads, hd = head_dim.
@@ -19,7 +20,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from kernels.cpu import QMatrix, fused, rope_table
+from kernels.cpu import QMatrix, fused, moe, rope_table
 from kernels.cpu.attention import attention_plan
 from kernels.cpu.libm import inv_sqrtf, rope_yarn_corr_dims, yarn_mscale
 from kernels.cpu.ops import gelu_table
@@ -67,6 +68,8 @@ class DecoderConfig:
     final_softcap: float = 0.0            # the logits soft-capped at this (gemma2)
     residual_scale: float = 0.0           # attention's and the FFN's outputs times this before each residual add (granite)
     logit_scale: float = 0.0              # the logits divided by this, as ggml does: times float32(1 / it) (granite)
+    n_expert: int = 0                     # a mixture of experts' FFN in every layer (kernels.cpu.moe): its experts,
+    n_expert_used: int = 0                # ... and how many each token takes; 0: a dense FFN
     # derived in __post_init__
     layer_window: tuple[int, ...] = field(default=(), init=False)
     layer_rope: tuple[tuple[float, float], ...] = field(default=(), init=False)   # (base, freq_scale) per layer
@@ -79,6 +82,8 @@ class DecoderConfig:
             raise BadInputError(f"{self.n_head} query heads do not split into {self.n_head_kv} kv groups")
         if self.attn_scale == 0.0:
             object.__setattr__(self, "attn_scale", float(inv_sqrtf(self.head_dim)))   # ggml's float32 rounding
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise BadInputError(f"{self.n_expert_used} of {self.n_expert} experts per token")
         if self.local_layers and len(self.local_layers) != self.n_layer:
             raise BadInputError(f"a sliding-window pattern of {len(self.local_layers)} layers for {self.n_layer}")
         local = [self.sliding_window > 0 and bool(self.local_layers) and self.local_layers[il] for il in range(self.n_layer)]
@@ -159,6 +164,8 @@ class DecoderConfig:
             rope_attn_factor=float(g.arch_get("rope.scaling.attn_factor") or 1.0),
             rope_yarn_ctx=(int(g.arch_get("rope.scaling.original_context_length") or g.arch_get("context_length") or 4096)
                            if g.arch_get("rope.scaling.type") == "yarn" else 0),
+            n_expert=g.n_expert,
+            n_expert_used=int(arch_number(g, "expert_used_count", 0)),
         )
 
 
@@ -269,6 +276,25 @@ class Weights:
                                 f"{n} rows of {k}) on this CPU; --backend llama.cpp (or auto) runs it")
         return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
 
+    def experts(self, name: str, n_expert: int) -> tuple[np.ndarray, int]:
+        """A layer's experts' matrices, one 3D tensor (E matrices of N rows of K), as E exact layouts
+        stacked (E, ...), the repacks cached as matrix's are, the others the GGUF rows in place; and
+        the tensor's type."""
+        info = self.g.tensors.get(name)
+        if info is None:
+            raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
+        if len(info.shape) != 3 or info.shape[2] != n_expert:
+            raise BadInputError(f"{self.g.path.name}: {name} of shape {tuple(info.shape)} does not hold {n_expert} experts")
+        k, n, t = info.shape[0], info.shape[1], info.ggml_type
+        if not has_exact_kernel(t, n, k):
+            raise BadInputError(f"kvchat's engine has no exact kernel for {name} ({TRAITS[t].name}, "
+                                f"{n} rows of {k}) on this CPU; --backend llama.cpp (or auto) runs it")
+        data = self._data[name]                                           # (E, N, row bytes or K)
+        if t in REPACKED_TYPES:
+            return self._cached_layout(name, lambda: np.stack([exact_layout(data[e], t, n, k) for e in range(n_expert)])), t
+        raw = self.g.resident(name) if self.in_memory else data
+        return exact_layout(raw.reshape(n_expert * n, -1), t, n_expert * n, k).reshape(n_expert, n, -1), t
+
     def n_rows(self, name: str) -> int:
         return self._info(name)[2]
 
@@ -366,11 +392,23 @@ class Block:
             self.qkv = Projections(w, [p + f"attn_{n}.weight" for n in "qkv"])
         self.wo = w.matrix(p + "attn_output.weight")
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
-        if p + "ffn_gate.weight" in w:
+        self.experts = None
+        if cfg.n_expert:                         # the router as the FFN's one projection, the experts beside
+            self.gate_up = Projections(w, [p + "ffn_gate_inp.weight"])
+            self.w_down = self.gate_up.parts[0][0]      # (unread: LayerWeights holds a matrix there)
+            (gate, gt), (up, ut), (down, dt) = (w.experts(p + f"ffn_{n}_exps.weight", cfg.n_expert)
+                                                for n in ("gate", "up", "down"))
+            n_ff = w.g.tensors[p + "ffn_gate_exps.weight"].shape[1]
+            if w.g.tensors[p + "ffn_up_exps.weight"].shape[:2] != (cfg.n_embd, n_ff) or \
+                    w.g.tensors[p + "ffn_down_exps.weight"].shape[:2] != (n_ff, cfg.n_embd):
+                raise BadInputError(f"{w.g.path.name}: layer {il}'s experts' shapes do not match")
+            self.experts = moe.Experts(cfg.n_expert_used, int(n_ff), True, gate, up, down, gt, ut, dt)
+        elif p + "ffn_gate.weight" in w:
             self.gate_up = Projections(w, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         else:                                                               # phi3: ffn_up holds gate, then up
             self.gate_up = Projections(w, [p + "ffn_up.weight"], split=(cfg.n_ff, cfg.n_ff))
-        self.w_down = w.matrix(p + "ffn_down.weight")
+        if self.experts is None:
+            self.w_down = w.matrix(p + "ffn_down.weight")
         bias = lambda n: w.vector(p + f"attn_{n}.bias") if p + f"attn_{n}.bias" in w else fused.NONE   # noqa: E731
         need = lambda name, on: w.vector(p + name) if on else fused.NONE                             # noqa: E731
         proj = lambda pr: fused.Projection.of([(m.exact, m.ggml_type) for m, _ in pr.parts], pr.where)  # noqa: E731
@@ -384,6 +422,9 @@ class Block:
             cfg.activation == "geglu_tanh", gelu_table(), self.w_down.exact, self.w_down.ggml_type,
             need("post_ffw_norm.weight", cfg.post_norms), np.float32(cfg.residual_scale))
         self.shape = fused.buffer_shape(self.weights)     # what its row buffers' shapes depend on
+        # ... and its experts' buffers
+        self.expert_shape = None if self.experts is None else (self.experts.n_used, self.experts.n_ff, *(
+            (int(t), a.shape[1:]) for t, a in ((gt, gate), (ut, up), (dt, down))))
 
 
 class Decoder:
@@ -404,7 +445,8 @@ class Decoder:
                 progress("loading weights", il + 1, cfg.n_layer)
         self.output_norm = w.vector("output_norm.weight")
         self.output = self.tok_embd if tied else w.matrix("output.weight")
-        self.nbytes = sum(m.nbytes for m in self._matrices())
+        self.nbytes = sum(m.nbytes for m in self._matrices()) + sum(
+            a.nbytes for b in self.blocks if b.experts is not None for a in (b.experts.gate, b.experts.up, b.experts.down))
         self.softmax = "llama.cpp"
         self._pool: dict = {}            # (block shape, runs' bytes) -> fused.RowBuffers of at most POOLED_ROWS rows
 
@@ -423,7 +465,8 @@ class Decoder:
             yield from b.qkv.matrices()
             yield b.wo
             yield from b.gate_up.matrices()
-            yield b.w_down
+            if b.experts is None:
+                yield b.w_down
 
     def forward(self, tokens: np.ndarray, start_pos: int, kv: KVView, all_logits: bool = False,
                 decode_rows: bool | None = None, vocab_limit: int | None = None) -> np.ndarray:
@@ -451,6 +494,19 @@ class Decoder:
             if len(self._pool) >= POOL_SIZE:
                 self._pool.clear()
             bufs = self._pool[key] = fused.row_buffers(block.weights, T, runs)
+        return bufs
+
+    def _expert_buffers(self, block: Block, T: int) -> moe.ExpertBuffers:
+        """The experts' buffers of T rows for this block's experts: pooled for few rows (as
+        _buffers' are), new for a prompt chunk's pass."""
+        if T > POOLED_ROWS:
+            return moe.expert_buffers(block.experts, T, self.cfg.n_embd)
+        key = ("experts", block.expert_shape, T)
+        bufs = self._pool.get(key)
+        if bufs is None:
+            if len(self._pool) >= POOL_SIZE:
+                self._pool.clear()
+            bufs = self._pool[key] = moe.expert_buffers(block.experts, T, self.cfg.n_embd)
         return bufs
 
     def _pass(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool,
@@ -491,7 +547,14 @@ class Decoder:
                 b = bufs[block.shape] = self._buffers(block, runs, T)
             args = (x, tables[block.rope], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
                     plans[block.window], b)
-            if il == last and keep is not None:
+            if block.experts is not None:           # the same, with the experts as the FFN
+                m = block.experts
+                if il == last and keep is not None:
+                    x = moe.last_layer(x, *args[1:3], m, *args[3:], keep, self._buffers(block, keep_runs, len(keep)),
+                                       self._expert_buffers(block, len(keep)))
+                else:
+                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T))
+            elif il == last and keep is not None:
                 x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)))
             else:
                 fused.layer(*args)

@@ -155,3 +155,13 @@ def test_the_cpus_read_bandwidth_is_measured_once_and_kept(tmp_path, monkeypatch
     assert bench.machine_bandwidth_gb_s() == 12.5                   # kept, not measured again
     path.write_text("{not json")
     assert bench.machine_bandwidth_gb_s() > 0 and json.loads(path.read_text())[key] > 0
+
+
+def test_a_mixture_of_experts_reads_its_used_experts_per_token(tiny_gguf):
+    """Decode's GB/s counts expert_used_count of a layer's experts (2 of the tiny model's 8), not all."""
+    from tests.engine.conftest import N_EXPERT, N_EXPERT_USED
+    g = open_model(tiny_gguf("qwen3moe", "Q4_K"))
+    experts = sum(t.n_bytes for name, t in g.tensors.items() if name.endswith("_exps.weight"))
+    assert experts > 0
+    every = sum(t.n_bytes for t in g.tensors.values()) - g.tensors["token_embd.weight"].n_bytes
+    assert weight_bytes_per_token(g) == every - experts + experts * N_EXPERT_USED // N_EXPERT

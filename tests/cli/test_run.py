@@ -384,3 +384,20 @@ def test_mistral3_past_its_temperature_floor_runs_on_llamacpp(tmp_path):
     native = run_kvchat("run", "-m", path, "--ctx", "200", "--backend", "native", *greedy)
     err = native.stderr.decode()
     assert native.returncode == 2 and len(err.strip().splitlines()) == 1 and "attention temperature" in err, err
+
+
+def test_a_mixture_of_experts_runs_on_kvchats_engine(tmp_path):
+    """A Qwen3-MoE file (tiny, random): `--backend auto` runs it on kvchat's engine, whose greedy
+    reply is llama.cpp's token for token; `models info` names its experts."""
+    from tests.engine.conftest import write_tiny_model
+    path = write_tiny_model(tmp_path / "qwen3moe.gguf", "qwen3moe", "Q4_K")
+    greedy = ["--no-chat", "--temperature", "0", "-n", "12", "--json", "the cat sat on the mat"]
+    auto = run_kvchat("run", "-m", str(path), *greedy)
+    assert auto.returncode == 0 and "using llama.cpp" not in auto.stderr.decode(), auto.stderr.decode()
+    ours = json.loads(auto.stdout)
+    theirs = run_kvchat("run", "-m", str(path), "--backend", "llama.cpp", *greedy)
+    assert ours["backend"] == "native" and len(ours["tokens"]) == 12
+    assert json.loads(theirs.stdout)["tokens"] == ours["tokens"]
+    info = run_kvchat("models", "info", str(path)).stdout.decode()
+    assert "experts         8, 2 per token" in info and "engine          kvchat's own (native on the CPU, llama.cpp on a GPU)" in info
+    assert "torch engine    does not run mixture-of-experts layers on the GPU yet" in info, info

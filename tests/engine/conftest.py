@@ -27,7 +27,11 @@ N_VOCAB = 320
 GEMMA_WINDOW = 8
 ARCH_LAYERS = {"llama": 2, "qwen2": 2, "qwen3": 2, "phi3": 2, "gemma2": 4, "gemma3": 6,   # gemma3: layers 0-4 local, 5 global
                "smollm3": 4, "ernie4_5": 2, "granite": 2, "exaone": 2, "gemma": 2, "mistral3": 2,
-               "qwen3vl": 2}                                                               # smollm3: layer 3 without rope
+               "qwen3vl": 2, "qwen3moe": 2, "qwen3vlmoe": 2, "granitemoe": 2}             # smollm3: layer 3 without rope
+# The mixture-of-experts architectures: their dense twin's layer with N_EXPERT experts of N_FF_EXP
+# (a multiple of 256, as the K-quants' rows need), N_EXPERT_USED per token, and an F32 router.
+MOE_TWIN = {"qwen3moe": "qwen3", "qwen3vlmoe": "qwen3vl", "granitemoe": "granite"}
+N_EXPERT, N_EXPERT_USED, N_FF_EXP = 8, 2, 256
 # The float keys a tiny model of these architectures always carries: Granite 3's constants (a logit
 # scale whose reciprocal rounds; an attention scale not 1/sqrt(64)); Ministral 3's YaRN log multiplier
 # and attention temperature, and YaRN betas not llama.cpp's defaults.
@@ -108,7 +112,7 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
                      rope_scaling: str | None = None,
                      softcaps: tuple[float, float] = (GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP),
                      f32_twin: bool = False, sliding_window: int = 0, extra: dict | None = None,
-                     meta: tuple = (), bpe_pre: str | None = None) -> Path:
+                     meta: tuple = (), bpe_pre: str | None = None, experts: bool = False, drop: tuple = ()) -> Path:
     """rope_base: llama's, qwen2's and qwen3's (default 1e4, Llama 2's); gemma3 keeps 1e6 global, 1e4 local.
     rope_scaling: "llama3" (a rope_freqs.weight tensor of per-pair factors, as Llama 3.1+ files carry)
     or "linear" / "yarn" (rope.scaling.type, factor 4; YaRN's original context is the file's 256), or phi3's
@@ -122,14 +126,23 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
     of bools. granite: always its embedding, residual, logit and attention scales; mistral3: its YaRN betas
     and log multiplier and its attention temperature.
     bpe_pre: a byte-level BPE vocabulary instead (tokenizer.ggml.model "gpt2", as Llama 3's files
-    carry) with this pre-tokenizer name; its last token, <|endoftext|>, is its BOS and EOS."""
+    carry) with this pre-tokenizer name; its last token, <|endoftext|>, is its BOS and EOS.
+    experts: a mixture of experts' FFN (Mixtral's, in a llama file); the MOE_TWIN architectures always.
+    drop: tensors not to write."""
     rng = np.random.default_rng(seed)
     n_layer = ARCH_LAYERS[arch]
-    w = gguf.GGUFWriter(str(path), arch)
+    experts = experts or arch in MOE_TWIN
+    arch_name, arch = arch, MOE_TWIN.get(arch, arch)       # the file's name; the layer's (dense twin's) shape
+    w = gguf.GGUFWriter(str(path), arch_name)
+    if experts:
+        w.add_expert_count(N_EXPERT)
+        if "expert_used_count" not in dict(meta):
+            w.add_expert_used_count(N_EXPERT_USED)
+        w.add_expert_feed_forward_length(N_FF_EXP)
     w.add_block_count(n_layer)
     w.add_context_length(256)
     w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(N_FF)
+    w.add_feed_forward_length(N_FF_EXP if experts else N_FF)     # (llama and granite read the experts' width there)
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_HEAD_KV)
     w.add_layer_norm_rms_eps(1e-6)
@@ -152,21 +165,21 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         w.add_rope_scaling_orig_ctx_len(128 if rope_scaling == "longrope" else 256)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(4096)))   # a 128k model's
     for suffix, value in ARCH_FLOAT_KEYS.get(arch, ()):
-        w.add_float32(f"{arch}.{suffix}", value)
+        w.add_float32(f"{arch_name}.{suffix}", value)
     if arch == "qwen3vl":           # the rotary pairs' sections (time, height, width, extra): pair 31 is the extra one's
-        w.add_array(f"{arch}.rope.dimension_sections", [12, 10, 10, 0])
-        w.add_uint32(f"{arch}.n_deepstack_layers", 1)     # (a text token's deepstack features: zeros)
+        w.add_array(f"{arch_name}.rope.dimension_sections", [12, 10, 10, 0])
+        w.add_uint32(f"{arch_name}.n_deepstack_layers", 1)     # (a text token's deepstack features: zeros)
     for suffix, value in meta:
         if isinstance(value, bool):
-            w.add_bool(f"{arch}.{suffix}", value)
+            w.add_bool(f"{arch_name}.{suffix}", value)
         elif isinstance(value, list):
-            w.add_array(f"{arch}.{suffix}", value)
+            w.add_array(f"{arch_name}.{suffix}", value)
         elif isinstance(value, str):
-            w.add_string(f"{arch}.{suffix}", value)
+            w.add_string(f"{arch_name}.{suffix}", value)
         elif isinstance(value, float):
-            w.add_float32(f"{arch}.{suffix}", value)
+            w.add_float32(f"{arch_name}.{suffix}", value)
         else:
-            w.add_uint32(f"{arch}.{suffix}", value)
+            w.add_uint32(f"{arch_name}.{suffix}", value)
     if bpe_pre is None:
         tokens, scores, types = vocab()
         w.add_tokenizer_model("llama")
@@ -189,20 +202,31 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
         w.add_eos_token_id(len(tokens))
     w.add_add_bos_token(True)
 
+    def add(name, data, **kw):
+        if name not in drop:
+            w.add_tensor(name, data, **kw)
+
     def mat(name, n, k, std):
         data, t = quantized(rng.normal(0, std, size=(n, k)).astype(np.float32), qtype, rng)
         if f32_twin and t != gguf.GGMLQuantizationType.F32:
             data, t = dequantize_ref(np.asarray(data), int(t), k), gguf.GGMLQuantizationType.F32
-        w.add_tensor(name, data, raw_dtype=t)
+        add(name, data, raw_dtype=t)
+
+    def experts_of(name, n, k, std):         # N_EXPERT matrices of n rows of k, one 3D tensor
+        parts = [quantized(rng.normal(0, std, size=(n, k)).astype(np.float32), qtype, rng) for _ in range(N_EXPERT)]
+        data, t = np.stack([np.asarray(d) for d, _ in parts]), parts[0][1]
+        if f32_twin and t != gguf.GGMLQuantizationType.F32:
+            data, t = np.stack([dequantize_ref(np.asarray(d), int(t), k) for d in data]), gguf.GGMLQuantizationType.F32
+        add(name, data, raw_dtype=t)
 
     def vec(name, n, center=1.0, spread=0.2):
-        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+        add(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
 
     if rope_scaling == "llama3":     # factors 1 (high frequencies) .. 8 (low), as Llama 3's scaling makes them
-        w.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
+        add("rope_freqs.weight", np.geomspace(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
     if rope_scaling in ("longrope", "longrope-short"):   # phi3's 128k models: two factor sets
         for kind, top in (("long", 40.0), ("short", 1.5)):
-            w.add_tensor(f"rope_factors_{kind}.weight", np.geomspace(1.0, top, HEAD_DIM // 2).astype(np.float32))
+            add(f"rope_factors_{kind}.weight", np.geomspace(1.0, top, HEAD_DIM // 2).astype(np.float32))
     mat("token_embd.weight", N_VOCAB, N_EMBD, 1.0)
     if arch not in ("gemma", "gemma2", "gemma3"):  # the gemmas tie the output to token_embd
         mat("output.weight", N_VOCAB, N_EMBD, 0.5)
@@ -228,14 +252,20 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
             vec(p + "post_attention_norm.weight", N_EMBD)
             vec(p + "post_ffw_norm.weight", N_EMBD)
         vec(p + "ffn_norm.weight", N_EMBD)
-        if arch == "phi3":          # gate and up in one matrix, the gate first
+        if experts:                 # the router stays F32, as llama.cpp's quantize leaves it
+            add(p + "ffn_gate_inp.weight", rng.normal(0, 0.5, size=(N_EXPERT, N_EMBD)).astype(np.float32))
+            experts_of(p + "ffn_gate_exps.weight", N_FF_EXP, N_EMBD, 0.1)
+            experts_of(p + "ffn_up_exps.weight", N_FF_EXP, N_EMBD, 0.1)
+            experts_of(p + "ffn_down_exps.weight", N_EMBD, N_FF_EXP, 0.05)
+        elif arch == "phi3":        # gate and up in one matrix, the gate first
             mat(p + "ffn_up.weight", 2 * N_FF, N_EMBD, 0.1)
         else:
             mat(p + "ffn_gate.weight", N_FF, N_EMBD, 0.1)
             mat(p + "ffn_up.weight", N_FF, N_EMBD, 0.1)
-        mat(p + "ffn_down.weight", N_EMBD, N_FF, 0.05)
+        if not experts:
+            mat(p + "ffn_down.weight", N_EMBD, N_FF, 0.05)
     for name, data in (extra or {}).items():
-        w.add_tensor(name, data)
+        add(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -250,19 +280,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
-    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False, sliding_window=0, meta=()) ->
-    (GGUFFile, Tokenizer), written once per session."""
+    """tiny_model(arch, qtype, rope_base=None, rope_scaling=None, f32_twin=False, sliding_window=0, meta=(),
+    experts=False) -> (GGUFFile, Tokenizer), written once per session."""
     made = {}
 
     def make(arch: str, qtype: str, rope_base: float | None = None, rope_scaling: str | None = None,
-             f32_twin: bool = False, sliding_window: int = 0, meta: tuple = ()):
-        key = arch, qtype, rope_base, rope_scaling, f32_twin, sliding_window, repr(meta)
+             f32_twin: bool = False, sliding_window: int = 0, meta: tuple = (), experts: bool = False):
+        key = arch, qtype, rope_base, rope_scaling, f32_twin, sliding_window, repr(meta), experts
         if key not in made:
             name = f"{arch}-{qtype}" + (f"-rope{rope_base:g}" if rope_base else "") + (f"-{rope_scaling}" if rope_scaling else "")
             name += (f"-swa{sliding_window}" if sliding_window else "") + (f"-meta{len(made)}" if meta else "")
+            name += "-moe" if experts else ""
             path = write_tiny_model(tiny_model_dir / f"{name}{'-twin' if f32_twin else ''}.gguf", arch, qtype,
                                     rope_base=rope_base, rope_scaling=rope_scaling, f32_twin=f32_twin,
-                                    sliding_window=sliding_window, meta=meta)
+                                    sliding_window=sliding_window, meta=meta, experts=experts)
             g = open_model(path)
             made[key] = (g, Tokenizer.from_gguf(g))
         return made[key]

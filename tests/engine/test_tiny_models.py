@@ -22,6 +22,7 @@ import pytest
 
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import NativeBackend
+from kernels.cpu import moe
 from models.architectures import load_config
 from models.errors import BadInputError
 from tests.engine import conftest as fx
@@ -103,7 +104,29 @@ BIT_CASES = ([(*case, "Q4_K") for case in ROPE_CASES]
                          ids=[f"{a}-{b or 'default'}" + (f"-{c}" if c else "") + f"-{q}" for a, b, c, q in BIT_CASES])
 def test_native_equals_llamacpp_bit_for_bit(arch, rope_base, rope_scaling, qtype, tiny_model):
     """The same quantized file through both engines: identical logits, batched and stepwise."""
-    g, tok = tiny_model(arch, qtype, rope_base, rope_scaling)
+    _assert_bit_exact(*tiny_model(arch, qtype, rope_base, rope_scaling))
+
+
+# Mixtures of experts (kernels.cpu.moe): Qwen3-MoE with every exact type (its experts' batches take
+# each type's mul_mat_id arithmetic: the tiled types' from 8 rows routed to one expert, which the
+# 40-token prompt gives some of the 8 experts and not others), and each other architecture whose
+# llama.cpp graph runs experts (llama: Mixtral) with the registry's type.
+MOE_CASES = ([("qwen3moe", False, q) for q in EXACT_QTYPES]
+             + [(a, a not in fx.MOE_TWIN, "Q4_K") for a in ("qwen3vlmoe", "granitemoe", "llama", "granite", "mistral3")])
+
+
+@pytest.mark.parametrize("arch,experts,qtype", MOE_CASES, ids=[f"{a}-{q}" for a, _, q in MOE_CASES])
+def test_mixture_of_experts_equals_llamacpp_bit_for_bit(arch, experts, qtype, tiny_model, monkeypatch):
+    made = []
+    real = moe.expert_buffers
+    monkeypatch.setattr(moe, "expert_buffers", lambda *a: made.append(real(*a)) or made[-1])
+    _assert_bit_exact(*tiny_model(arch, qtype, experts=experts))
+    # the prompt's pass (its 40 rows' buffers) gave some expert 8 rows or more and another fewer
+    counts = np.concatenate([np.bincount(eb.sel.reshape(-1), minlength=fx.N_EXPERT) for eb in made if eb.sel.shape[0] == len(IDS)])
+    assert counts.max() >= 8 and counts.min() < 8, counts
+
+
+def _assert_bit_exact(g, tok):
     native = NativeBackend(g, tok, 256, 2)
     batched = native.logits_all(IDS)
     native.seq.release()

@@ -106,7 +106,8 @@ def test_unsupported_rope_scaling(tmp_path):
 
 def test_tensors_the_engines_do_not_read_are_named(tmp_path):
     """A tensor the engines would skip (llama.cpp's optional output and FFN biases, a mixture of
-    experts' router) would change what llama.cpp computes: such files are refused by name."""
+    experts' router in a file without `expert_count`) would change what llama.cpp computes: such
+    files are refused by name."""
     from tests.engine.conftest import HEAD_DIM, N_EMBD, N_FF, write_tiny_model
     for name, shape in (("blk.1.attn_output.bias", (N_EMBD,)), ("blk.0.ffn_down.bias", (N_EMBD,)),
                         ("blk.0.ffn_gate_inp.weight", (8, N_FF)), ("output.bias", (N_EMBD,))):
@@ -176,3 +177,20 @@ def test_granite_vision_deepstack_is_refused(tmp_path):
     assert plain.unsupported() is None
     g = open_model(write_tiny_model(tmp_path / "v.gguf", "granite", "F32", meta=(("deepstack_mapping", [False, True]),)))
     assert g.unsupported() == "deepstack layers"
+
+
+def test_mixtures_of_experts_the_engines_run_and_do_not(tmp_path):
+    """The CPU engine runs softmax-gated experts (kernels.cpu.moe) in the architectures whose llama.cpp
+    graph has them; the torch engine none; a dense architecture's file with experts, per-layer
+    expert counts or gate-less experts go to llama.cpp."""
+    from tests.engine.conftest import write_tiny_model
+    for arch, experts in (("qwen3moe", False), ("llama", True), ("granitemoe", False)):
+        g = open_model(write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q4_K", experts=experts))
+        assert g.n_expert == 8 and g.unsupported() is None, arch
+        assert g.unsupported(cpu=False) == "mixture-of-experts layers on the GPU"
+    dense = open_model(write_tiny_model(tmp_path / "q.gguf", "qwen3", "Q4_K", experts=True))
+    assert dense.n_expert == 0 and dense.unsupported() == "tensor blk.0.ffn_gate_inp.weight"
+    per_layer = open_model(write_tiny_model(tmp_path / "p.gguf", "qwen3moe", "Q4_K", meta=(("expert_used_count", [2, 1]),)))
+    assert per_layer.unsupported() == "mixture-of-experts layers without one expert_used_count"
+    gateless = open_model(write_tiny_model(tmp_path / "g.gguf", "llama", "F32", experts=True, drop=("blk.1.ffn_gate_exps.weight",)))
+    assert gateless.unsupported() == "experts without gate matrices"

@@ -1,0 +1,225 @@
+"""A mixture-of-experts decoder layer as one compiled call: attention as kernels.cpu.fused computes
+it, then llama.cpp's build_moe_ffn with softmax gating (Mixtral, Qwen3-MoE, Granite MoE), bit for bit.
+
+The FFN half, in the order and roundings of llama.cpp's graph and ggml-cpu's ops:
+- the router: the normed rows times ffn_gate_inp (fused.LayerWeights.gate_up holds it as a
+  one-member projection, so it runs through the dense layer's matmul with the rows' own runs);
+- ggml_soft_max of each row's logits (ggml_v_expf on 8 lanes, each 8-lane sum added in float64,
+  the tail with libm's expf; then the row times float32(1 / sum));
+- ggml_argsort (descending) and its first n_used: the selected experts, in order of probability
+  (equal probabilities keep the lower index first, as std::sort's insertion sort does for the
+  at most 16 experts that reach it; a tie among more is ordered however libstdc++'s introsort leaves it);
+- their probabilities, divided by their float64 sum rounded to float32 and clamped to at least 2^-14;
+- each selected expert's SwiGLU FFN on the rows routed to it (ggml_mul_mat_id);
+- each output times its weight, then the n_used outputs added in selection order; granite's
+  residual scale; the residual add.
+
+mul_mat_id groups the rows by expert, and per expert the arithmetic is a batch of that expert's
+rows: the types of ggml-cpu's tiled kernel (types.TypeTraits.tiled) take it from 8 rows on, the
+repacked types take each row's gemv, the others their vec_dot. So each expert's rows form runs
+(qdot.run_arrays) as the layer's own runs split them: a prompt segment's rows routed to one expert
+are one batched run for a tiled type and single rows otherwise; decode rows stay single rows.
+
+Shapes: T rows, D = n_embd, E experts, k = n_used, F = an expert's FFN width.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from kernels.cpu.fused import _attention, _norm, _part, _project, _scale
+from kernels.cpu.ops import _swiglu, _swiglu_serial, ggml_expf
+from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
+from kernels.types import ACT_KIND, TILED, TRAITS
+
+# ggml_clamp(weights_sum, 6.103515625e-5, INFINITY): the smallest normal float16
+MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
+
+
+class Experts(NamedTuple):
+    """A layer's experts as `layer` reads them: every expert's exact layout, stacked (E, ...)."""
+    n_used: int
+    n_ff: int                 # F
+    norm_weights: bool        # the selected probabilities divided by their sum (every softmax MoE we run)
+    gate: np.ndarray          # (E, layout of F rows of D)
+    up: np.ndarray
+    down: np.ndarray          # (E, layout of D rows of F)
+    gate_type: int
+    up_type: int
+    down_type: int
+
+
+class ExpertBuffers(NamedTuple):
+    """T rows' routing and one expert's work buffers (its rows are at most T)."""
+    sel: np.ndarray           # (T, k) int64 the selected experts
+    wts: np.ndarray           # (T, k) float32 their weights
+    rows: np.ndarray          # (T,) int64 the rows routed to the expert at hand
+    slots: np.ndarray         # (T,) int64 ... and which of their k selections it is
+    hx: np.ndarray            # (T, D) those rows' normed inputs
+    q8x: Q8Buffers            # ... quantized
+    g: np.ndarray             # (T, gate layout rows)
+    u: np.ndarray             # (T, up layout rows)
+    a: np.ndarray             # (T, F) silu(g) * u
+    q8a: Q8Buffers
+    d: np.ndarray             # (T, down layout rows)
+    out: np.ndarray           # (T, k, D) each selection's weighted output
+
+
+def expert_buffers(m: Experts, T: int, D: int) -> ExpertBuffers:
+    rows = lambda t, layouts: TRAITS[t].layout_rows(layouts[0])         # noqa: E731
+    F = m.n_ff
+    f32 = lambda *shape: np.empty((T, *shape), np.float32)              # noqa: E731
+    return ExpertBuffers(np.empty((T, m.n_used), np.int64), f32(m.n_used), np.empty(T, np.int64),
+                         np.empty(T, np.int64), f32(D), Q8Buffers.alloc(T, D), f32(rows(m.gate_type, m.gate)),
+                         f32(rows(m.up_type, m.up)), f32(F), Q8Buffers.alloc(T, F), f32(rows(m.down_type, m.down)),
+                         f32(m.n_used, D))
+
+
+@njit(cache=True, error_model="numpy")
+def route(logits, n_used, norm_weights, sel, wts):
+    """One row's gating: logits (E,) -> the selected experts sel (k,) and their weights wts (k,),
+    as ggml_soft_max, ggml_argsort_top_k, ggml_get_rows, and (norm_weights) ggml_sum_rows, ggml_clamp
+    and ggml_div compute them."""
+    E = logits.shape[0]
+    m = np.float32(-np.inf)
+    for i in range(E):
+        m = max(m, logits[i])
+    p = np.empty(E, np.float32)
+    n8 = E // 8 * 8
+    tot = 0.0
+    for c in range(0, n8, 8):
+        for i in range(c, c + 8):
+            p[i] = ggml_expf(logits[i] - m)
+        tot += np.float64(((p[c + 4] + p[c]) + (p[c + 6] + p[c + 2])) + ((p[c + 5] + p[c + 1]) + (p[c + 7] + p[c + 3])))
+    for i in range(n8, E):
+        p[i] = math.exp(logits[i] - m)          # libm's expf: ggml_vec_soft_max_f32's scalar tail
+        tot += np.float64(p[i])
+    inv = np.float32(1.0 / tot)
+    for i in range(E):
+        p[i] *= inv
+    taken = np.zeros(E, np.bool_)
+    for j in range(n_used):                     # the largest first; among equals the lowest index
+        best = -1
+        for i in range(E):
+            if not taken[i] and (best < 0 or p[i] > p[best]):
+                best = i
+        taken[best] = True
+        sel[j] = best
+        wts[j] = p[best]
+    if norm_weights:
+        s = 0.0
+        for j in range(n_used):
+            s += np.float64(wts[j])
+        s32 = max(np.float32(s), MIN_WEIGHT_SUM)
+        for j in range(n_used):
+            wts[j] = wts[j] / s32
+
+
+@njit(cache=True, error_model="numpy")
+def _expert_runs(sel, e, runs, rows, slots, sub_start, sub_len, sub_batched):
+    """The rows routed to expert e, in row order, into rows / slots; their runs: the part of each of
+    the layer's runs (start, length, batched) that went to e, batched as that run is. Returns
+    (rows, runs)."""
+    run_start, run_len, run_batched = runs
+    n, ns = 0, 0
+    for ri in range(run_start.shape[0]):
+        n0 = n
+        for t in range(run_start[ri], run_start[ri] + run_len[ri]):
+            for j in range(sel.shape[1]):
+                if sel[t, j] == e:
+                    rows[n] = t
+                    slots[n] = j
+                    n += 1
+        if n > n0:
+            sub_start[ns] = n0
+            sub_len[ns] = n - n0
+            sub_batched[ns] = run_batched[ri]
+            ns += 1
+    return n, ns
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _head(q, n):
+    """The first n rows of Q8Buffers q."""
+    return Q8Buffers(q.xq[:n], q.dx0[:n], q.sx[:n], q.s1[:n], q.dxk[:n], q.bs16[:n], q.bsp[:n], q.xf[:n])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _runs_for(ggml_type, sub_start, sub_len, sub_batched):
+    """An expert's runs for a matrix of this type: batched where ggml-cpu's tiled kernel takes the
+    type's batches in mul_mat_id, single rows (gemv, vec_dot) otherwise."""
+    batched = sub_batched & TILED[ggml_type]
+    return sub_start, sub_len, batched
+
+
+@njit(cache=True, error_model="numpy")
+def _moe_ffn(x, w, m, b, eb):
+    """The mixture-of-experts half for rows x (T, D), added to x in place (b: the layer's row
+    buffers, whose gate_up part 0 holds the router logits; eb: the experts' buffers)."""
+    T, D = x.shape
+    k = m.n_used
+    E = m.gate.shape[0]
+    _norm(x, w.ffn_norm, w.eps, b.h, T > 1)
+    _project(b.h, w.gate_up, b.q8_d, b.runs, b.gate_up[0], b.gate_up[1], b.gate_up[2])
+    logits, l0 = _part(w.gate_up.where, 0, b.gate_up)
+    for r in range(T):
+        route(logits[r, l0:l0 + E], k, m.norm_weights, eb.sel[r], eb.wts[r])
+    n_runs = b.runs[0].shape[0]
+    sub_start = np.empty(n_runs, np.int64)
+    sub_len = np.empty(n_runs, np.int64)
+    sub_batched = np.empty(n_runs, np.bool_)
+    for e in range(E):
+        n, ns = _expert_runs(eb.sel, e, b.runs, eb.rows, eb.slots, sub_start, sub_len, sub_batched)
+        if n == 0:
+            continue
+        hx = eb.hx[:n]
+        for i in range(n):
+            hx[i] = b.h[eb.rows[i]]
+        q8x, q8a = _head(eb.q8x, n), _head(eb.q8a, n)
+        g, u, a, d = eb.g[:n], eb.u[:n], eb.a[:n], eb.d[:n]
+        quantize_into(hx, ACT_KIND[m.gate_type], q8x)
+        matmul_row(m.gate[e], m.gate_type, q8x, _runs_for(m.gate_type, sub_start[:ns], sub_len[:ns], sub_batched[:ns]), g)
+        if ACT_KIND[m.up_type] != ACT_KIND[m.gate_type]:
+            quantize_into(hx, ACT_KIND[m.up_type], q8x)
+        matmul_row(m.up[e], m.up_type, q8x, _runs_for(m.up_type, sub_start[:ns], sub_len[:ns], sub_batched[:ns]), u)
+        if n > 1:
+            _swiglu(g, 0, u, 0, a)
+        else:
+            _swiglu_serial(g, 0, u, 0, a)
+        quantize_into(a, ACT_KIND[m.down_type], q8a)
+        matmul_row(m.down[e], m.down_type, q8a, _runs_for(m.down_type, sub_start[:ns], sub_len[:ns], sub_batched[:ns]), d)
+        for i in range(n):                      # ggml_mul(experts, weights)
+            r, j = eb.rows[i], eb.slots[i]
+            wt = eb.wts[r, j]
+            for c in range(D):
+                eb.out[r, j, c] = d[i, c] * wt
+    moe = eb.out[:, 0, :]                       # the selections' outputs added in order (in place in slot 0)
+    for j in range(1, k):
+        for r in range(T):
+            for c in range(D):
+                moe[r, c] += eb.out[r, j, c]
+    if w.residual_scale != 0:
+        _scale(moe, w.residual_scale)
+    x += moe
+
+
+@njit(cache=True, error_model="numpy")
+def layer(x, cs, w, m, k_cache, v_cache, plan, b, eb):
+    """fused.layer with the experts m (and their buffers eb) as the FFN."""
+    x += _attention(x, cs, w, k_cache, v_cache, plan, b)
+    _moe_ffn(x, w, m, b, eb)
+
+
+@njit(cache=True, error_model="numpy")
+def last_layer(x, cs, w, m, k_cache, v_cache, plan, b, keep, bk, ebk):
+    """fused.last_layer with the experts as the FFN: only the rows `keep` go on after attention
+    (llama.cpp routes the kept rows alone). bk, ebk: the kept rows' buffers."""
+    o = _attention(x, cs, w, k_cache, v_cache, plan, b)
+    y = np.empty((keep.shape[0], x.shape[1]), np.float32)
+    for i in range(keep.shape[0]):
+        y[i] = x[keep[i]] + o[keep[i]]
+    _moe_ffn(y, w, m, bk, ebk)
+    return y
