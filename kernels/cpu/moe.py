@@ -28,12 +28,19 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from kernels.cpu.fused import _attention, _norm, _part, _project, _scale
-from kernels.cpu.ops import _swiglu, _swiglu_serial, ggml_expf
+from kernels.cpu import qdot
+from kernels.cpu.ops import _swiglu, _swiglu_serial, ggml_expf, serial_twin
 from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
 from kernels.types import ACT_KIND, TILED, TRAITS
+
+# matmul_row on the calling thread, for the single-token rows of _single_rows (which spreads its
+# pairs over the threads): the kernels a single unbatched row reaches, as serial twins
+_SINGLE_ROW_KERNELS = ("_dense_rows", "_q6_k_rows", "_q5_k_rows", "_q3_k_rows", "_q2_k_rows", "_iq4_xs_rows",
+                       "_q4_k_rows", "_q0_x8_rows")
+matmul_row_serial = serial_twin(matmul_row, {name: serial_twin(getattr(qdot, name)) for name in _SINGLE_ROW_KERNELS})
 
 # ggml_clamp(weights_sum, 6.103515625e-5, INFINITY): the smallest normal float16
 MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
@@ -53,29 +60,31 @@ class Experts(NamedTuple):
 
 
 class ExpertBuffers(NamedTuple):
-    """T rows' routing and one expert's work buffers (its rows are at most T)."""
+    """T rows' routing and the experts' work buffers: P = T * k rows, for one expert's rows (at
+    most T) or every (row, selection) pair."""
     sel: np.ndarray           # (T, k) int64 the selected experts
     wts: np.ndarray           # (T, k) float32 their weights
     rows: np.ndarray          # (T,) int64 the rows routed to the expert at hand
     slots: np.ndarray         # (T,) int64 ... and which of their k selections it is
     hx: np.ndarray            # (T, D) those rows' normed inputs
-    q8x: Q8Buffers            # ... quantized
-    g: np.ndarray             # (T, gate layout rows)
-    u: np.ndarray             # (T, up layout rows)
-    a: np.ndarray             # (T, F) silu(g) * u
-    q8a: Q8Buffers
-    d: np.ndarray             # (T, down layout rows)
+    q8x: Q8Buffers            # (T, D) ... quantized for the gate
+    q8u: Q8Buffers            # (T, D) ... for the up matrices, where their type quantizes otherwise
+    g: np.ndarray             # (P, gate layout rows)
+    u: np.ndarray             # (P, up layout rows)
+    a: np.ndarray             # (P, F) silu(g) * u
+    q8a: Q8Buffers            # (P, F)
+    d: np.ndarray             # (P, down layout rows)
     out: np.ndarray           # (T, k, D) each selection's weighted output
 
 
 def expert_buffers(m: Experts, T: int, D: int) -> ExpertBuffers:
     rows = lambda t, layouts: TRAITS[t].layout_rows(layouts[0])         # noqa: E731
-    F = m.n_ff
-    f32 = lambda *shape: np.empty((T, *shape), np.float32)              # noqa: E731
-    return ExpertBuffers(np.empty((T, m.n_used), np.int64), f32(m.n_used), np.empty(T, np.int64),
-                         np.empty(T, np.int64), f32(D), Q8Buffers.alloc(T, D), f32(rows(m.gate_type, m.gate)),
-                         f32(rows(m.up_type, m.up)), f32(F), Q8Buffers.alloc(T, F), f32(rows(m.down_type, m.down)),
-                         f32(m.n_used, D))
+    P = T * m.n_used
+    f32 = lambda n, *shape: np.empty((n, *shape), np.float32)           # noqa: E731
+    return ExpertBuffers(np.empty((T, m.n_used), np.int64), f32(T, m.n_used), np.empty(T, np.int64),
+                         np.empty(T, np.int64), f32(T, D), Q8Buffers.alloc(T, D), Q8Buffers.alloc(T, D),
+                         f32(P, rows(m.gate_type, m.gate)), f32(P, rows(m.up_type, m.up)), f32(P, m.n_ff),
+                         Q8Buffers.alloc(P, m.n_ff), f32(P, rows(m.down_type, m.down)), f32(T, m.n_used, D))
 
 
 @njit(cache=True, error_model="numpy")
@@ -142,9 +151,49 @@ def _expert_runs(sel, e, runs, rows, slots, sub_start, sub_len, sub_batched):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _head(q, n):
-    """The first n rows of Q8Buffers q."""
-    return Q8Buffers(q.xq[:n], q.dx0[:n], q.sx[:n], q.s1[:n], q.dxk[:n], q.bs16[:n], q.bsp[:n], q.xf[:n])
+def _rows(q, a, b):
+    """Rows a .. b-1 of Q8Buffers q."""
+    return Q8Buffers(q.xq[a:b], q.dx0[a:b], q.sx[a:b], q.s1[a:b], q.dxk[a:b], q.bs16[a:b], q.bsp[a:b], q.xf[a:b])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _single_rows(h, m, eb):
+    """Every (row, selection) pair of rows that each take a single token's arithmetic (decode steps,
+    speculative checks, sequences decoding side by side) through its expert, the pairs spread over
+    the threads in one parallel region (each pair's matmuls then run on its thread): pair p = r * k + j
+    into eb.out[r, j]. The same numbers as _moe_ffn's expert by expert loop gives these rows."""
+    T, k = eb.sel.shape
+    quantize_into(h, ACT_KIND[m.gate_type], eb.q8x)              # each row once, for every expert it goes to
+    split = ACT_KIND[m.up_type] != ACT_KIND[m.gate_type]
+    if split:
+        quantize_into(h, ACT_KIND[m.up_type], eb.q8u)
+    # (a parallel loop's body takes arrays and scalars, not named tuples: they go in as their fields)
+    gate, up, down, gt, ut, dt = m.gate, m.up, m.down, m.gate_type, m.up_type, m.down_type
+    sel, wts, g, u, a, d, out = eb.sel, eb.wts, eb.g, eb.u, eb.a, eb.d, eb.out
+    x0, x1, x2, x3, x4, x5, x6, x7 = eb.q8x
+    y0, y1, y2, y3, y4, y5, y6, y7 = eb.q8u if split else eb.q8x
+    z0, z1, z2, z3, z4, z5, z6, z7 = eb.q8a
+    for p in prange(T * k):
+        r, j = p // k, p % k
+        e = sel[r, j]
+        _pair(gate[e], up[e], down[e], gt, ut, dt, _rows(Q8Buffers(x0, x1, x2, x3, x4, x5, x6, x7), r, r + 1),
+              _rows(Q8Buffers(y0, y1, y2, y3, y4, y5, y6, y7), r, r + 1),
+              _rows(Q8Buffers(z0, z1, z2, z3, z4, z5, z6, z7), p, p + 1),
+              g[p:p + 1], u[p:p + 1], a[p:p + 1], d[p:p + 1], wts[r, j], out[r, j])
+
+
+@njit(cache=True, error_model="numpy")
+def _pair(gate, up, down, gt, ut, dt, xg, xu, q8a, g, u, a, d, wt, out):
+    """One row through one expert with a single token's arithmetic (_single_rows), its output times
+    wt into out (D,)."""
+    one = (np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.bool_))
+    matmul_row_serial(gate, gt, xg, one, g)
+    matmul_row_serial(up, ut, xu, one, u)
+    _swiglu_serial(g, 0, u, 0, a)
+    quantize_into(a, ACT_KIND[dt], q8a)
+    matmul_row_serial(down, dt, q8a, one, d)
+    for c in range(out.shape[0]):
+        out[c] = d[0, c] * wt
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -167,18 +216,37 @@ def _moe_ffn(x, w, m, b, eb):
     logits, l0 = _part(w.gate_up.where, 0, b.gate_up)
     for r in range(T):
         route(logits[r, l0:l0 + E], k, m.norm_weights, eb.sel[r], eb.wts[r])
-    n_runs = b.runs[0].shape[0]
+    if not b.runs[2].any():                     # single-token rows only
+        _single_rows(b.h, m, eb)
+    else:
+        _by_expert(b.h, m, b.runs, eb)
+    moe = eb.out[:, 0, :]                       # the selections' outputs added in order (in place in slot 0)
+    for j in range(1, k):
+        for r in range(T):
+            for c in range(D):
+                moe[r, c] += eb.out[r, j, c]
+    if w.residual_scale != 0:
+        _scale(moe, w.residual_scale)
+    x += moe
+
+
+@njit(cache=True, error_model="numpy")
+def _by_expert(h, m, runs, eb):
+    """Every expert's rows (h's rows routed to it) through it, expert by expert: its rows of each of
+    the layer's runs one run, as mul_mat_id's batch for that expert; into eb.out[r, j]."""
+    E = m.gate.shape[0]
+    n_runs = runs[0].shape[0]
     sub_start = np.empty(n_runs, np.int64)
     sub_len = np.empty(n_runs, np.int64)
     sub_batched = np.empty(n_runs, np.bool_)
     for e in range(E):
-        n, ns = _expert_runs(eb.sel, e, b.runs, eb.rows, eb.slots, sub_start, sub_len, sub_batched)
+        n, ns = _expert_runs(eb.sel, e, runs, eb.rows, eb.slots, sub_start, sub_len, sub_batched)
         if n == 0:
             continue
         hx = eb.hx[:n]
         for i in range(n):
-            hx[i] = b.h[eb.rows[i]]
-        q8x, q8a = _head(eb.q8x, n), _head(eb.q8a, n)
+            hx[i] = h[eb.rows[i]]
+        q8x, q8a = _rows(eb.q8x, 0, n), _rows(eb.q8a, 0, n)
         g, u, a, d = eb.g[:n], eb.u[:n], eb.a[:n], eb.d[:n]
         quantize_into(hx, ACT_KIND[m.gate_type], q8x)
         matmul_row(m.gate[e], m.gate_type, q8x, _runs_for(m.gate_type, sub_start[:ns], sub_len[:ns], sub_batched[:ns]), g)
@@ -194,16 +262,8 @@ def _moe_ffn(x, w, m, b, eb):
         for i in range(n):                      # ggml_mul(experts, weights)
             r, j = eb.rows[i], eb.slots[i]
             wt = eb.wts[r, j]
-            for c in range(D):
+            for c in range(h.shape[1]):
                 eb.out[r, j, c] = d[i, c] * wt
-    moe = eb.out[:, 0, :]                       # the selections' outputs added in order (in place in slot 0)
-    for j in range(1, k):
-        for r in range(T):
-            for c in range(D):
-                moe[r, c] += eb.out[r, j, c]
-    if w.residual_scale != 0:
-        _scale(moe, w.residual_scale)
-    x += moe
 
 
 @njit(cache=True, error_model="numpy")

@@ -22,11 +22,14 @@ FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 PAR_MIN = 1 << 16
 
 
-def serial_twin(kernel):
+def serial_twin(kernel, twins: dict | None = None):
     """`kernel` (an @njit(parallel=True) dispatcher) compiled without parallel: prange runs as
-    range on the calling thread. It gets its own name so numba's cache keeps both."""
+    range on the calling thread. It gets its own name so numba's cache keeps both. twins: the
+    serial twins of the parallel kernels it calls, by their names in its module (a dispatch
+    whose kernels must stay on the calling thread)."""
     py = kernel.py_func
-    fn = pytypes.FunctionType(py.__code__, py.__globals__, py.__name__ + "_serial", py.__defaults__, py.__closure__)
+    glob = py.__globals__ if twins is None else {**py.__globals__, **twins}
+    fn = pytypes.FunctionType(py.__code__, glob, py.__name__ + "_serial", py.__defaults__, py.__closure__)
     fn.__qualname__ = py.__qualname__ + "_serial"
     fn.__module__ = py.__module__
     options = {k: v for k, v in kernel.targetoptions.items() if k not in ("parallel", "nopython")}
