@@ -285,3 +285,24 @@ def test_mistral3_reads_its_yarn_keys_and_stops_at_its_temperature_floor(tiny_mo
         np.testing.assert_array_equal(_native_logits(g, tok, 128), ll.logits_all(IDS))
     finally:
         ll.close()
+
+
+def test_mixture_of_experts_batch_gives_each_sequence_its_own_numbers(tiny_model):
+    """Continuous batching through experts: a 40-token prompt beside another sequence's decode row in
+    one pass (each expert's rows split by the pass's runs: the prompt's a batch of its own, the decode
+    row a single token) gives each the logits it gets alone; so does a step of decode rows only."""
+    g, tok = tiny_model("qwen3moe", "Q6_K")
+    nb = NativeBackend(g, tok, 256, 2)
+    try:
+        a, b = nb.new_sequence(), nb.new_sequence()
+        nb.forward_batch([(b, IDS[5:9])])
+        both = nb.forward_batch([(a, IDS[:40]), (b, [IDS[9]])])
+        alone_a = nb.forward_batch([(nb.new_sequence(), IDS[:40])])
+        b2 = nb.new_sequence()
+        nb.forward_batch([(b2, IDS[5:9])])
+        alone_b = nb.forward_batch([(b2, [IDS[9]])])
+        np.testing.assert_array_equal(both, np.concatenate([alone_a, alone_b]))
+        step = nb.forward_batch([(a, [IDS[1]]), (b, [IDS[10]])])
+        np.testing.assert_array_equal(step[1], nb.forward_batch([(b2, [IDS[10]])])[0])
+    finally:
+        nb.close()
