@@ -78,6 +78,8 @@ class ExpertBuffers(NamedTuple):
 
 
 def expert_buffers(m: Experts, T: int, D: int) -> ExpertBuffers:
+    """The buffers of a pass of T rows (of D) through these experts (pooled by models.transformer
+    for few rows, as fused.row_buffers are)."""
     rows = lambda t, layouts: TRAITS[t].layout_rows(layouts[0])         # noqa: E731
     P = T * m.n_used
     f32 = lambda n, *shape: np.empty((n, *shape), np.float32)           # noqa: E731
@@ -130,8 +132,8 @@ def route(logits, n_used, norm_weights, sel, wts):
 @njit(cache=True, error_model="numpy")
 def _expert_runs(sel, e, runs, rows, slots, sub_start, sub_len, sub_batched):
     """The rows routed to expert e, in row order, into rows / slots; their runs: the part of each of
-    the layer's runs (start, length, batched) that went to e, batched as that run is. Returns
-    (rows, runs)."""
+    the layer's runs (start, length, batched) that went to e, batched as that run is, into
+    sub_start / sub_len / sub_batched. Returns how many rows and runs it wrote."""
     run_start, run_len, run_batched = runs
     n, ns = 0, 0
     for ri in range(run_start.shape[0]):
