@@ -111,7 +111,8 @@ class TorchBackend(PagedBackend):
         self.seq = self.cache.new_sequence()
         # decode steps of up to this many sequences replay CUDA graphs (0: none; on the CPU, or with
         # KVCHAT_CUDA_GRAPHS=0, to tell a graph problem from another)
-        self.graph_batch_max = GRAPH_BATCHES[-1] if graphs_on else 0
+        # (a mixture of experts' decode step reads its routing back to the host: no graphs)
+        self.graph_batch_max = GRAPH_BATCHES[-1] if graphs_on and not cfg.n_expert else 0
         self._graphs = None
 
     def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:

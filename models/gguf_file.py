@@ -320,7 +320,7 @@ class GGUFFile:
             name.startswith("blk.") and name.split(".", 2)[-1] in layer_tensors)), None)
         if unknown is not None:
             return f"tensor {unknown}"
-        experts = self.experts_unsupported(cpu)
+        experts = self.experts_unsupported()
         if experts is not None:
             return experts
         bad = sorted({t.type_name for t in self.tensors.values() if t.ggml_type not in SUPPORTED_TYPES})
@@ -335,14 +335,11 @@ class GGUFFile:
         n = self.arch_get("expert_count")
         return n if self.arch in MOE_ARCHS and isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
-    def experts_unsupported(self, cpu: bool) -> str | None:
-        """What of a mixture of experts' layers the engines do not run: the torch engine has none;
-        llama.cpp's per-layer expert counts, and experts without gate matrices (llama.cpp then
-        activates the up projection alone), the CPU engine does not run either."""
+    def experts_unsupported(self) -> str | None:
+        """What of a mixture of experts' layers the engines do not run: llama.cpp's per-layer expert
+        counts, and experts without gate matrices (llama.cpp then activates the up projection alone)."""
         if not self.n_expert:
             return None
-        if not cpu:
-            return "mixture-of-experts layers on the GPU"
         if not isinstance(self.arch_get("expert_used_count"), int) or isinstance(self.arch_get("expert_used_count"), bool):
             return "mixture-of-experts layers without one expert_used_count"
         if any(name.endswith("ffn_up_exps.weight") and name.replace("_up_", "_gate_") not in self.tensors

@@ -79,11 +79,13 @@ class TorchMatrix:
     the type (quantized), else a dequantized copy (dense)."""
 
     def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, device: torch.device,
-                 dtype: torch.dtype, scratch: Scratch):
+                 dtype: torch.dtype, scratch: Scratch, interpreted_gemv: bool = True):
+        """interpreted_gemv: whether a small matrix on the CPU device stays quantized (the Triton
+        kernels in the interpreter); an expert does not: a layer calls three per routed expert."""
         self.ggml_type, self.n_rows, self.n_cols = int(ggml_type), int(n_rows), int(n_cols)
         self.dtype, self.scratch = dtype, scratch
         self.quantized = self.dense = None
-        small = n_rows * n_cols <= INTERPRETED_GEMV_MAX_WEIGHTS
+        small = interpreted_gemv and n_rows * n_cols <= INTERPRETED_GEMV_MAX_WEIGHTS
         if self.ggml_type in GEMV_TYPES and (device.type == "cuda" or small):
             blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
             self.quantized = torch.from_numpy(blocks.copy()).to(device)          # (N, row bytes) uint8
@@ -145,12 +147,14 @@ class TorchLayer:
     wo: TorchMatrix
     post_attn_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
-    w_gate: TorchMatrix
-    w_up: TorchMatrix
-    w_down: TorchMatrix
+    w_gate: TorchMatrix | None                # (None in a mixture of experts' layer)
+    w_up: TorchMatrix | None
+    w_down: TorchMatrix | None
     post_ffn_norm: torch.Tensor | None
     window: int
     rope: tuple[float, float]                 # (base, freq_scale)
+    router: TorchMatrix | None = None         # a mixture of experts: the router (E rows) and each expert's
+    experts: tuple = ()                       # gate, up and down matrices: three lists of E
 
 
 class TorchDecoder:
@@ -167,6 +171,11 @@ class TorchDecoder:
             return TorchMatrix(data[name], info.ggml_type, int(np.prod(info.shape[1:])), info.shape[0], device,
                                self.dtype, self.scratch)
 
+        def experts(name: str) -> list[TorchMatrix]:
+            info = g.tensors[name]                        # ggml (K, N, E): E matrices of N rows of K
+            return [TorchMatrix(data[name][e], info.ggml_type, info.shape[1], info.shape[0], device, self.dtype,
+                                self.scratch, interpreted_gemv=False) for e in range(info.shape[2])]
+
         def vector(name: str) -> torch.Tensor | None:
             if name not in g.tensors:
                 return None
@@ -179,7 +188,9 @@ class TorchDecoder:
             qd, kvd = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
             qkv = (matrix(p + "attn_qkv.weight").split((qd, kvd, kvd)) if p + "attn_qkv.weight" in g.tensors
                    else [matrix(p + f"attn_{n}.weight") for n in "qkv"])          # (phi3: one matrix)
-            gate_up = ([matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")] if p + "ffn_gate.weight" in g.tensors
+            moe = cfg.n_expert > 0
+            gate_up = ([None, None] if moe else
+                       [matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")] if p + "ffn_gate.weight" in g.tensors
                        else matrix(p + "ffn_up.weight").split((cfg.n_ff, cfg.n_ff)))   # (phi3: gate, then up)
             self.layers.append(TorchLayer(
                 vector(p + "attn_norm.weight"), *qkv,
@@ -189,9 +200,11 @@ class TorchDecoder:
                 matrix(p + "attn_output.weight"),
                 vector(p + "post_attention_norm.weight") if cfg.post_norms else None,
                 vector(p + "ffn_norm.weight"), *gate_up,
-                matrix(p + "ffn_down.weight"),
+                None if moe else matrix(p + "ffn_down.weight"),
                 vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
-                cfg.layer_window[il], cfg.layer_rope[il]))
+                cfg.layer_window[il], cfg.layer_rope[il],
+                matrix(p + "ffn_gate_inp.weight") if moe else None,
+                tuple(experts(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down")) if moe else ()))
             if progress:
                 progress("loading weights", il + 1, cfg.n_layer)
         self.rope_factors = (torch.tensor(cfg.rope_freq_factors, dtype=torch.float32, device=device)
@@ -206,7 +219,13 @@ class TorchDecoder:
         if self.output is not self.tok_embd:
             yield self.output
         for layer in self.layers:
-            yield from (layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down)
+            yield from (layer.wq, layer.wk, layer.wv, layer.wo)
+            if layer.router is None:
+                yield from (layer.w_gate, layer.w_up, layer.w_down)
+            else:
+                yield layer.router
+                for matrices in layer.experts:
+                    yield from matrices
 
     @property
     def nbytes(self) -> int:
@@ -245,15 +264,39 @@ class TorchDecoder:
             o = o * cfg.residual_scale
         x = x + o
         h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
-        gate, up = layer.w_gate(h), layer.w_up(h)                                  # (T, F) x2
-        act = (torch.nn.functional.gelu(gate, approximate="tanh") if cfg.activation == "geglu_tanh"
-               else torch.nn.functional.silu(gate))
-        d = layer.w_down(act * up)
+        if layer.router is not None:
+            d = self._experts(layer, h)
+        else:
+            gate, up = layer.w_gate(h), layer.w_up(h)                              # (T, F) x2
+            act = (torch.nn.functional.gelu(gate, approximate="tanh") if cfg.activation == "geglu_tanh"
+                   else torch.nn.functional.silu(gate))
+            d = layer.w_down(act * up)
         if layer.post_ffn_norm is not None:
             d = rms_norm(d, layer.post_ffn_norm, cfg.norm_eps)
         if cfg.residual_scale:
             d = d * cfg.residual_scale
         return x + d
+
+    def _experts(self, layer: TorchLayer, h: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts' FFN on h (T, D), as llama.cpp's build_moe_ffn (kernels.cpu.moe):
+        softmax over the router's logits, the n_used most probable experts, their probabilities
+        divided by their sum (clamped as ggml does), each expert's SwiGLU on the rows routed to it,
+        the weighted outputs added in order of probability. The host reads which experts run (one
+        sync per layer), so these decode steps run eagerly, not from CUDA graphs."""
+        k = self.cfg.n_expert_used
+        probs = torch.softmax(layer.router(h), dim=-1)                             # (T, E)
+        wts, sel = probs.topk(k, dim=-1)                                           # (T, k) most probable first
+        wts = wts / wts.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+        out = torch.zeros((h.shape[0], k, h.shape[1]), dtype=torch.float32, device=h.device)   # (T, k, D)
+        gate, up, down = layer.experts
+        for e in torch.unique(sel).tolist():
+            rows, slots = (sel == e).nonzero(as_tuple=True)                        # (n,) each
+            x = h[rows]
+            out[rows, slots] = down[e](torch.nn.functional.silu(gate[e](x)) * up[e](x)) * wts[rows, slots, None]
+        moe = out[:, 0]
+        for j in range(1, k):
+            moe = moe + out[:, j]
+        return moe                                                                 # (T, D)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_embd.rows(ids)                                                # (T, D)

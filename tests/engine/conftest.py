@@ -252,8 +252,9 @@ def write_tiny_model(path: Path, arch: str, qtype: str, seed: int = 0, rope_base
             vec(p + "post_attention_norm.weight", N_EMBD)
             vec(p + "post_ffw_norm.weight", N_EMBD)
         vec(p + "ffn_norm.weight", N_EMBD)
-        if experts:                 # the router stays F32, as llama.cpp's quantize leaves it
-            add(p + "ffn_gate_inp.weight", rng.normal(0, 0.5, size=(N_EXPERT, N_EMBD)).astype(np.float32))
+        if experts:                 # the router stays F32, as llama.cpp's quantize leaves it (logits of std ~1.3:
+                                    # the used experts share a token, so their weights matter)
+            add(p + "ffn_gate_inp.weight", rng.normal(0, 0.08, size=(N_EXPERT, N_EMBD)).astype(np.float32))
             experts_of(p + "ffn_gate_exps.weight", N_FF_EXP, N_EMBD, 0.1)
             experts_of(p + "ffn_up_exps.weight", N_FF_EXP, N_EMBD, 0.1)
             experts_of(p + "ffn_down_exps.weight", N_EMBD, N_FF_EXP, 0.05)

@@ -28,7 +28,8 @@ from models.errors import BadInputError
 # 2-layer llama: its GEMV is the slowest in the interpreter (on the 6-layer gemma3 it took 12% of the suite).
 CASES = [("llama", "Q6_K"), ("qwen2", "Q4_K"), ("gemma3", "Q8_0"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0"),
          ("gemma2", "Q8_0"), ("phi3", "Q4_K"), ("llama", "Q4_0"),   # Q4_0: no Triton GEMV kernel, dequantized at load
-         ("granite", "Q8_0")]                                       # granite: its four scales
+         ("granite", "Q8_0"),                                       # granite: its four scales
+         ("qwen3moe", "Q4_K")]                                      # a mixture of experts
 IDS = [1] + [int(t) for t in np.random.default_rng(1).integers(3, 320, 39)]   # 40: three cache blocks
 TOL = 0.01
 N_GREEDY = 16
@@ -362,3 +363,27 @@ except BadInputError as e:
     assert "out of GPU memory" in str(e) and "\\n" not in str(e)
 """, str(g.path))
     assert proc.stderr.count("out of GPU memory") == 1 and "running on the CPU" in proc.stderr
+
+
+def test_experts_compute_llamacpps_mixture(tiny_model):
+    """The torch engine's mixture of experts against a numpy model of llama.cpp's (the routing of
+    kernels.reference, the experts' SwiGLU in float64, the weighted outputs added in order of
+    probability) on random rows, within float32 rounding: the logits' 1% bound above would not see
+    the weights' normalization, which scales this FFN's output by about 1.5."""
+    import torch
+    from kernels.reference import moe_route_ref
+    from tests.engine.conftest import N_EMBD, N_EXPERT_USED
+    g, tok = tiny_model("qwen3moe", "Q4_K")
+    model = TorchBackend(g, tok, 128, "cpu").model
+    layer = model.layers[1]
+    h = torch.from_numpy(np.random.default_rng(5).normal(0, 1, (6, N_EMBD)).astype(np.float32))
+    got = model._experts(layer, h).numpy()
+    sel, wts = moe_route_ref(layer.router(h).numpy(), N_EXPERT_USED)
+    gate, up, down = ([m.dense.double().numpy() for m in ms] for ms in layer.experts)
+    x = h.double().numpy()
+    want = np.zeros_like(x)
+    for r in range(len(x)):
+        for j, e in enumerate(sel[r]):
+            a = gate[e] @ x[r]
+            want[r] += down[e] @ (a / (1 + np.exp(-a)) * (up[e] @ x[r])) * wts[r, j]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

@@ -180,14 +180,14 @@ def test_granite_vision_deepstack_is_refused(tmp_path):
 
 
 def test_mixtures_of_experts_the_engines_run_and_do_not(tmp_path):
-    """The CPU engine runs softmax-gated experts (kernels.cpu.moe) in the architectures whose llama.cpp
-    graph has them; the torch engine none; a dense architecture's file with experts, per-layer
-    expert counts or gate-less experts go to llama.cpp."""
+    """The engines run softmax-gated experts (kernels.cpu.moe) in the architectures whose llama.cpp
+    graph has them; a dense architecture's file with experts, per-layer expert counts or gate-less
+    experts go to llama.cpp."""
     from tests.engine.conftest import write_tiny_model
     for arch, experts in (("qwen3moe", False), ("llama", True), ("granitemoe", False)):
         g = open_model(write_tiny_model(tmp_path / f"{arch}.gguf", arch, "Q4_K", experts=experts))
         assert g.n_expert == 8 and g.unsupported() is None, arch
-        assert g.unsupported(cpu=False) == "mixture-of-experts layers on the GPU"
+        assert g.unsupported(cpu=False) is None
     dense = open_model(write_tiny_model(tmp_path / "q.gguf", "qwen3", "Q4_K", experts=True))
     assert dense.n_expert == 0 and dense.unsupported() == "tensor blk.0.ffn_gate_inp.weight"
     per_layer = open_model(write_tiny_model(tmp_path / "p.gguf", "qwen3moe", "Q4_K", meta=(("expert_used_count", [2, 1]),)))
