@@ -306,3 +306,19 @@ def test_mixture_of_experts_batch_gives_each_sequence_its_own_numbers(tiny_model
         np.testing.assert_array_equal(step[1], nb.forward_batch([(b2, [IDS[10]])])[0])
     finally:
         nb.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16"])
+def test_mixture_of_experts_prompt_then_decode_equals_llamacpp(qtype, tiny_model):
+    """A prompt whose last row alone goes on after the last layer's attention (llama.cpp's graph
+    without logits_all: that layer's experts see one row) and the decode steps after it."""
+    g, tok = tiny_model("qwen3moe", qtype)
+    native = NativeBackend(g, tok, 256, 2)
+    ll = LlamaCppBackend(g, tok, 256, 2, logits_all=False)
+    try:
+        ours = [native.extend(IDS[:30])] + [native.extend([t]) for t in IDS[30:]]
+        theirs = [ll.extend(IDS[:30])] + [ll.extend([t]) for t in IDS[30:]]
+    finally:
+        native.close()
+        ll.close()
+    np.testing.assert_array_equal(np.stack(ours), np.stack(theirs))
