@@ -82,6 +82,7 @@ for _t in TRAITS.values():
     if _t.vec_dot is not None:
         ACT_KIND[_t.id] = _t.vec_dot
 TILED = np.array([TRAITS[i].tiled if i in TRAITS else False for i in range(max(TRAITS) + 1)], np.bool_)
+X8 = np.array([TRAITS[i].x8 if i in TRAITS else False for i in range(max(TRAITS) + 1)], np.bool_)
 
 
 def type_name(ggml_type: int) -> str:

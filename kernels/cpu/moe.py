@@ -28,13 +28,13 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from kernels.cpu.fused import _attention, _norm, _part, _project, _scale
 from kernels.cpu import qdot
 from kernels.cpu.ops import _swiglu, _swiglu_serial, ggml_expf, serial_twin
 from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
-from kernels.types import ACT_KIND, TILED, TRAITS
+from kernels.types import ACT_KIND, TILED, TRAITS, X8
 
 # matmul_row on the calling thread, for the single-token rows of _single_rows (which spreads its
 # pairs over the threads): the kernels a single unbatched row reaches, as serial twins
@@ -175,27 +175,39 @@ def _single_rows(h, m, eb):
     x0, x1, x2, x3, x4, x5, x6, x7 = eb.q8x
     y0, y1, y2, y3, y4, y5, y6, y7 = eb.q8u if split else eb.q8x
     z0, z1, z2, z3, z4, z5, z6, z7 = eb.q8a
-    for p in prange(T * k):
+    P = T * k
+    S = max(1, -(-2 * get_num_threads() // P))      # each matrix in S row ranges: every thread streams
+    for it in prange(P * S):
+        p, s = it // S, it % S
         r, j = p // k, p % k
         e = sel[r, j]
-        _pair(gate[e], up[e], down[e], gt, ut, dt, _rows(Q8Buffers(x0, x1, x2, x3, x4, x5, x6, x7), r, r + 1),
-              _rows(Q8Buffers(y0, y1, y2, y3, y4, y5, y6, y7), r, r + 1),
-              _rows(Q8Buffers(z0, z1, z2, z3, z4, z5, z6, z7), p, p + 1),
-              g[p:p + 1], u[p:p + 1], a[p:p + 1], d[p:p + 1], wts[r, j], out[r, j])
+        _part_rows(gate[e], gt, _rows(Q8Buffers(x0, x1, x2, x3, x4, x5, x6, x7), r, r + 1), s, S, g[p])
+        _part_rows(up[e], ut, _rows(Q8Buffers(y0, y1, y2, y3, y4, y5, y6, y7), r, r + 1), s, S, u[p])
+    for p in range(P):
+        _swiglu_serial(g[p:p + 1], 0, u[p:p + 1], 0, a[p:p + 1])
+    quantize_into(a[:P], ACT_KIND[dt], _rows(eb.q8a, 0, P))
+    for it in prange(P * S):
+        p, s = it // S, it % S
+        e = sel[p // k, p % k]
+        _part_rows(down[e], dt, _rows(Q8Buffers(z0, z1, z2, z3, z4, z5, z6, z7), p, p + 1), s, S, d[p])
+    for p in range(P):
+        r, j = p // k, p % k
+        for c in range(out.shape[2]):
+            out[r, j, c] = d[p, c] * wts[r, j]
 
 
 @njit(cache=True, error_model="numpy")
-def _pair(gate, up, down, gt, ut, dt, xg, xu, q8a, g, u, a, d, wt, out):
-    """One row through one expert with a single token's arithmetic (_single_rows), its output times
-    wt into out (D,)."""
-    one = (np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.bool_))
-    matmul_row_serial(gate, gt, xg, one, g)
-    matmul_row_serial(up, ut, xu, one, u)
-    _swiglu_serial(g, 0, u, 0, a)
-    quantize_into(a, ACT_KIND[dt], q8a)
-    matmul_row_serial(down, dt, q8a, one, d)
-    for c in range(out.shape[0]):
-        out[c] = d[0, c] * wt
+def _part_rows(layout, t, x, s, S, y):
+    """Part s of S of one row's product with a matrix (a single token's arithmetic, on the calling
+    thread) into y (the matrix's rows)."""
+    n = layout.shape[0]
+    a, b = n * s // S, n * (s + 1) // S
+    if a == b:
+        return
+    per = 8 if X8[t] else 1
+    tmp = np.empty((1, (b - a) * per), np.float32)
+    matmul_row_serial(layout[a:b], t, x, (np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.bool_)), tmp)
+    y[a * per:b * per] = tmp[0]
 
 
 @njit(cache=True, error_model="numpy", inline="always")
