@@ -551,9 +551,9 @@ class Decoder:
                 m = block.experts
                 if il == last and keep is not None:
                     x = moe.last_layer(x, *args[1:3], m, *args[3:], keep, self._buffers(block, keep_runs, len(keep)),
-                                       self._expert_buffers(block, len(keep)))
+                                       self._expert_buffers(block, len(keep)), moe.threads())
                 else:
-                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T))
+                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T), moe.threads())
             elif il == last and keep is not None:
                 x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)))
             else:

@@ -37,7 +37,7 @@ from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
 from kernels.types import ACT_KIND, TILED, TRAITS, X8
 
 # matmul_row on the calling thread, for the single-token rows of _single_rows (which spreads its
-# pairs over the threads): the kernels a single unbatched row reaches, as serial twins
+# work over the threads itself): the kernels a single unbatched row reaches, as serial twins
 _SINGLE_ROW_KERNELS = ("_dense_rows", "_q6_k_rows", "_q5_k_rows", "_q3_k_rows", "_q2_k_rows", "_iq4_xs_rows",
                        "_q4_k_rows", "_q0_x8_rows")
 matmul_row_serial = serial_twin(matmul_row, {name: serial_twin(getattr(qdot, name)) for name in _SINGLE_ROW_KERNELS})
@@ -75,6 +75,11 @@ class ExpertBuffers(NamedTuple):
     q8a: Q8Buffers            # (P, F)
     d: np.ndarray             # (P, down layout rows)
     out: np.ndarray           # (T, k, D) each selection's weighted output
+
+
+def threads() -> int:
+    """The threads numba runs a parallel region on now (layer's n_threads)."""
+    return get_num_threads()
 
 
 def expert_buffers(m: Experts, T: int, D: int) -> ExpertBuffers:
@@ -159,11 +164,13 @@ def _rows(q, a, b):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _single_rows(h, m, eb):
+def _single_rows(h, m, eb, n_threads):
     """Every (row, selection) pair of rows that each take a single token's arithmetic (decode steps,
-    speculative checks, sequences decoding side by side) through its expert, the pairs spread over
-    the threads in one parallel region (each pair's matmuls then run on its thread): pair p = r * k + j
-    into eb.out[r, j]. The same numbers as _moe_ffn's expert by expert loop gives these rows."""
+    speculative checks, sequences decoding side by side) through its expert, pair p = r * k + j into
+    eb.out[r, j]: the gate and up products of every pair in one parallel region, the down products
+    in another, each matrix cut into row ranges (as mul_mat_id splits an expert's rows) so that every
+    thread streams a part of every used expert, each part a serial matmul on its thread. The same
+    numbers as _by_expert gives these rows. n_threads: threads()."""
     T, k = eb.sel.shape
     quantize_into(h, ACT_KIND[m.gate_type], eb.q8x)              # each row once, for every expert it goes to
     split = ACT_KIND[m.up_type] != ACT_KIND[m.gate_type]
@@ -176,7 +183,7 @@ def _single_rows(h, m, eb):
     y0, y1, y2, y3, y4, y5, y6, y7 = eb.q8u if split else eb.q8x
     z0, z1, z2, z3, z4, z5, z6, z7 = eb.q8a
     P = T * k
-    S = max(1, -(-2 * get_num_threads() // P))      # each matrix in S row ranges: every thread streams
+    S = max(1, -(-2 * n_threads // P))              # each matrix in S row ranges: every thread streams
     for it in prange(P * S):
         p, s = it // S, it % S
         r, j = p // k, p % k
@@ -219,7 +226,7 @@ def _runs_for(ggml_type, sub_start, sub_len, sub_batched):
 
 
 @njit(cache=True, error_model="numpy")
-def _moe_ffn(x, w, m, b, eb):
+def _moe_ffn(x, w, m, b, eb, n_threads):
     """The mixture-of-experts half for rows x (T, D), added to x in place (b: the layer's row
     buffers, whose gate_up part 0 holds the router logits; eb: the experts' buffers)."""
     T, D = x.shape
@@ -231,7 +238,7 @@ def _moe_ffn(x, w, m, b, eb):
     for r in range(T):
         route(logits[r, l0:l0 + E], k, m.norm_weights, eb.sel[r], eb.wts[r])
     if not b.runs[2].any():                     # single-token rows only
-        _single_rows(b.h, m, eb)
+        _single_rows(b.h, m, eb, n_threads)
     else:
         _by_expert(b.h, m, b.runs, eb)
     moe = eb.out[:, 0, :]                       # the selections' outputs added in order (in place in slot 0)
@@ -281,19 +288,20 @@ def _by_expert(h, m, runs, eb):
 
 
 @njit(cache=True, error_model="numpy")
-def layer(x, cs, w, m, k_cache, v_cache, plan, b, eb):
-    """fused.layer with the experts m (and their buffers eb) as the FFN."""
+def layer(x, cs, w, m, k_cache, v_cache, plan, b, eb, n_threads):
+    """fused.layer with the experts m (and their buffers eb) as the FFN; n_threads: numba's threads
+    (threads(): compiled code that asks numba for them cannot be cached)."""
     x += _attention(x, cs, w, k_cache, v_cache, plan, b)
-    _moe_ffn(x, w, m, b, eb)
+    _moe_ffn(x, w, m, b, eb, n_threads)
 
 
 @njit(cache=True, error_model="numpy")
-def last_layer(x, cs, w, m, k_cache, v_cache, plan, b, keep, bk, ebk):
+def last_layer(x, cs, w, m, k_cache, v_cache, plan, b, keep, bk, ebk, n_threads):
     """fused.last_layer with the experts as the FFN: only the rows `keep` go on after attention
     (llama.cpp routes the kept rows alone). bk, ebk: the kept rows' buffers."""
     o = _attention(x, cs, w, k_cache, v_cache, plan, b)
     y = np.empty((keep.shape[0], x.shape[1]), np.float32)
     for i in range(keep.shape[0]):
         y[i] = x[keep[i]] + o[keep[i]]
-    _moe_ffn(y, w, m, bk, ebk)
+    _moe_ffn(y, w, m, bk, ebk, n_threads)
     return y
