@@ -400,3 +400,8 @@ def test_a_mixture_of_experts_runs_on_kvchats_engine(tmp_path):
     assert json.loads(theirs.stdout)["tokens"] == ours["tokens"]
     info = run_kvchat("models", "info", str(path)).stdout.decode()
     assert "experts         8, 2 per token" in info and "engine          kvchat's own (native on the CPU, torch on a GPU)" in info
+    # more experts per token than the file has: one line, exit 2
+    bad = write_tiny_model(tmp_path / "bad.gguf", "qwen3moe", "Q4_K", meta=(("expert_used_count", 9),))
+    out = run_kvchat("run", "-m", str(bad), "--backend", "native", "hi")
+    err = out.stderr.decode()
+    assert out.returncode == 2 and len(err.strip().splitlines()) == 1 and "9 of 8 experts per token" in err, err
