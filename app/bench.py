@@ -32,9 +32,7 @@ def weight_bytes_per_token(gguf, tensor_bytes=lambda t: t.n_bytes) -> int:
     only one row is read, unless it doubles as the output matrix (tied embeddings), and a mixture
     of experts' experts, of which a token reads expert_used_count. tensor_bytes: a tensor's size as
     the engine keeps it (default: as in the file)."""
-    used = gguf.arch_get("expert_used_count")
-    share = min(used, gguf.n_expert) / gguf.n_expert if gguf.n_expert and isinstance(used, int) else 1.0
-    total = sum(tensor_bytes(t) * (share if name.endswith("_exps.weight") else 1.0) for name, t in gguf.tensors.items())
+    total = sum(tensor_bytes(t) * gguf.token_share(name) for name, t in gguf.tensors.items())
     embd = gguf.tensors.get("token_embd.weight")
     if embd is not None and "output.weight" in gguf.tensors:
         total -= tensor_bytes(embd)

@@ -279,14 +279,18 @@ class GGUFFile:
     def n_params(self) -> int:
         return sum(t.n_elements for t in self.tensors.values())
 
+    def token_share(self, name: str) -> float:
+        """The share of tensor `name` one token reads: a mixture of experts' expert tensors
+        expert_used_count / expert_count, every other tensor all of it."""
+        used = self.arch_get("expert_used_count")
+        if not (self.n_expert and isinstance(used, int) and name.endswith("_exps.weight")):
+            return 1.0
+        return min(used, self.n_expert) / self.n_expert
+
     @property
     def n_active_params(self) -> int:
-        """The parameters one token reads: a mixture of experts' file counts n_used of its experts."""
-        used = self.arch_get("expert_used_count")
-        if not self.n_expert or not isinstance(used, int):
-            return self.n_params
-        experts = sum(t.n_elements for name, t in self.tensors.items() if name.endswith("_exps.weight"))
-        return self.n_params - experts + experts * min(used, self.n_expert) // self.n_expert
+        """The parameters one token reads."""
+        return int(sum(t.n_elements * self.token_share(name) for name, t in self.tensors.items()))
 
     @property
     def type_counts(self) -> Counter:

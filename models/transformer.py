@@ -540,6 +540,7 @@ class Decoder:
                  for w in set(cfg.layer_window)}
         k_cache, v_cache = kv.k_cache, kv.v_cache
         bufs: dict = {}                     # block shape -> its buffers for this pass
+        threads = moe.threads()             # (the experts' layers split their work by it)
         last = len(self.blocks) - 1
         for il, block in enumerate(self.blocks):
             b = bufs.get(block.shape)
@@ -551,9 +552,9 @@ class Decoder:
                 m = block.experts
                 if il == last and keep is not None:
                     x = moe.last_layer(x, *args[1:3], m, *args[3:], keep, self._buffers(block, keep_runs, len(keep)),
-                                       self._expert_buffers(block, len(keep)), moe.threads())
+                                       self._expert_buffers(block, len(keep)), threads)
                 else:
-                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T), moe.threads())
+                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T), threads)
             elif il == last and keep is not None:
                 x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)))
             else:
