@@ -272,28 +272,29 @@ class Weights:
             layout = None
         # None where qdot has no exact kernel for this matrix (kernels.types' rows8)
         if layout is None:
-            raise BadInputError(f"kvchat's engine has no exact kernel for {name} ({TRAITS[info.ggml_type].name}, "
-                                f"{n} rows of {k}) on this CPU; --backend llama.cpp (or auto) runs it")
+            self._no_kernel(name, info.ggml_type, n, k)
         return QMatrix(self._data[name], info.ggml_type, n, k, exact=layout)
 
     def experts(self, name: str, n_expert: int) -> tuple[np.ndarray, int]:
         """A layer's experts' matrices, one 3D tensor (E matrices of N rows of K), as E exact layouts
         stacked (E, ...), the repacks cached as matrix's are, the others the GGUF rows in place; and
         the tensor's type."""
-        info = self.g.tensors.get(name)
-        if info is None:
-            raise BadInputError(f"tensor {name} missing from {self.g.path.name}")
+        info = self._info(name)[0]
         if len(info.shape) != 3 or info.shape[2] != n_expert:
             raise BadInputError(f"{self.g.path.name}: {name} of shape {tuple(info.shape)} does not hold {n_expert} experts")
         k, n, t = info.shape[0], info.shape[1], info.ggml_type
         if not has_exact_kernel(t, n, k):
-            raise BadInputError(f"kvchat's engine has no exact kernel for {name} ({TRAITS[t].name}, "
-                                f"{n} rows of {k}) on this CPU; --backend llama.cpp (or auto) runs it")
+            self._no_kernel(name, t, n, k)
         data = self._data[name]                                           # (E, N, row bytes or K)
         if t in REPACKED_TYPES:
             return self._cached_layout(name, lambda: np.stack([exact_layout(data[e], t, n, k) for e in range(n_expert)])), t
         raw = self.g.resident(name) if self.in_memory else data
         return exact_layout(raw.reshape(n_expert * n, -1), t, n_expert * n, k).reshape(n_expert, n, -1), t
+
+    @staticmethod
+    def _no_kernel(name: str, ggml_type: int, n: int, k: int):
+        raise BadInputError(f"kvchat's engine has no exact kernel for {name} ({TRAITS[ggml_type].name}, "
+                            f"{n} rows of {k}) on this CPU; --backend llama.cpp (or auto) runs it")
 
     def n_rows(self, name: str) -> int:
         return self._info(name)[2]
@@ -483,31 +484,26 @@ class Decoder:
         each segment's last-token logits, equal to what forward() gives for it alone."""
         return self._pass(np.asarray(tokens, dtype=np.int64).reshape(-1), segments, False)
 
-    def _buffers(self, block: Block, runs: tuple, T: int) -> fused.RowBuffers:
-        """The row buffers of T rows for this block's shape and these runs: pooled for few rows,
-        new for a prompt chunk's pass."""
+    def _pooled(self, T: int, key: tuple, make):
+        """Buffers of T rows, make()'s: pooled under key for few rows, new for a prompt chunk's pass."""
         if T > POOLED_ROWS:
-            return fused.row_buffers(block.weights, T, runs)
-        key = (block.shape, b"".join(a.tobytes() for a in runs))
+            return make()
         bufs = self._pool.get(key)
         if bufs is None:
             if len(self._pool) >= POOL_SIZE:
                 self._pool.clear()
-            bufs = self._pool[key] = fused.row_buffers(block.weights, T, runs)
+            bufs = self._pool[key] = make()
         return bufs
 
+    def _buffers(self, block: Block, runs: tuple, T: int) -> fused.RowBuffers:
+        """The row buffers of T rows for this block's shape and these runs."""
+        return self._pooled(T, (block.shape, b"".join(a.tobytes() for a in runs)),
+                            lambda: fused.row_buffers(block.weights, T, runs))
+
     def _expert_buffers(self, block: Block, T: int) -> moe.ExpertBuffers:
-        """The experts' buffers of T rows for this block's experts: pooled for few rows (as
-        _buffers' are), new for a prompt chunk's pass."""
-        if T > POOLED_ROWS:
-            return moe.expert_buffers(block.experts, T, self.cfg.n_embd)
-        key = ("experts", block.expert_shape, T)
-        bufs = self._pool.get(key)
-        if bufs is None:
-            if len(self._pool) >= POOL_SIZE:
-                self._pool.clear()
-            bufs = self._pool[key] = moe.expert_buffers(block.experts, T, self.cfg.n_embd)
-        return bufs
+        """The experts' buffers of T rows for this block's experts."""
+        return self._pooled(T, ("experts", block.expert_shape, T),
+                            lambda: moe.expert_buffers(block.experts, T, self.cfg.n_embd))
 
     def _pass(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool,
               vocab_limit: int | None = None) -> np.ndarray:
