@@ -27,6 +27,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from kernels.cpu.attention_tiles import prefetch_rows
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu import ops
@@ -35,6 +36,12 @@ from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, TB512_
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin, soft_cap
 from kernels.cpu.quant import round_f16
 from kernels.cpu.simd import WIDE
+
+# Decode attention reads each key's K and V rows once, from memory at long contexts (every layer's
+# cache is evicted by the weights streaming past), one 4 KB cache block per 16 keys: the hardware
+# prefetchers restart at each page and the reads wait on DRAM, so the kernels prefetch the rows
+# this many keys ahead (README: measured).
+PREFETCH_KEYS = 32
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _write_kv(k_cache, v_cache, block_table, start_pos, k, v):
@@ -443,6 +450,29 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
     return out
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _key_scores(qf, q0, G, hd, kf, table, bs, kstride, koff, j0, j_end, key0, sf, s0, ld):
+    """ggml_vec_dot_f16 scores of G query heads (qf[q0 + g*hd : +hd]) against the keys j0 .. j_end-1
+    of a kv head (key j's row at kf[(table[j // bs]*bs + j % bs)*kstride + koff]) into
+    sf[s0 + g*ld + j - key0], each key's row prefetched PREFETCH_KEYS ahead. The cache cells are
+    stepped through block by block: a division per key cost a tenth of the scores."""
+    blk, off = j0 // bs, j0 % bs                   # key j's cache cell
+    jp = j0 + PREFETCH_KEYS
+    pblk, poff = jp // bs, jp % bs                 # and the one PREFETCH_KEYS ahead
+    for j in range(j0, j_end):
+        if jp < j_end:
+            prefetch_rows(kf, (table[pblk] * bs + poff) * kstride + koff, kstride, 1, hd)
+            jp, poff = jp + 1, poff + 1
+            if poff == bs:
+                pblk, poff = pblk + 1, 0
+        base = (table[blk] * bs + off) * kstride + koff
+        off += 1
+        if off == bs:
+            blk, off = blk + 1, 0
+        for g in range(G):
+            sf[s0 + g * ld + j - key0] = vd_dot(qf, q0 + g * hd, kf, base, hd)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _decode_scores(q, k_cache, block_table, lo, hi, chunk, key0, S):
     """Decode scores S[h, j - key0] = ggml_vec_dot_f16(q[h], K[j]) for keys lo <= j < hi; work item
@@ -454,14 +484,12 @@ def _decode_scores(q, k_cache, block_table, lo, hi, chunk, key0, S):
     kstride = Hkv * hd
     G = Hq // Hkv
     n_splits = -(-(hi - lo) // chunk)
+    sf = S.reshape(-1)
     for w in prange(Hkv * n_splits):
         kvh = w // n_splits
         j0 = lo + (w % n_splits) * chunk
-        for j in range(j0, min(hi, j0 + chunk)):
-            base = (block_table[j // bs] * bs + j % bs) * kstride + kvh * hd
-            for g in range(G):
-                h = kvh * G + g
-                S[h, j - key0] = vd_dot(qf, h * hd, kf, base, hd)
+        _key_scores(qf, kvh * G * hd, G, hd, kf, block_table, bs, kstride, kvh * hd, j0, min(hi, j0 + chunk), key0,
+                    sf, kvh * G * S.shape[1], S.shape[1])
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -487,11 +515,23 @@ def _pv_reduce(acc, G, h0, e0, out):
 @njit(cache=True, error_model="numpy", inline="always")
 def _pv_group(P, G, vf, block_table, bs, head_off, kstride, key0, hi, e0, acc, vbuf):
     """P@V chains of a kv head's G query heads (P's rows), head dims e0 .. e0+PV_DIMS-1, tile by
-    tile of keys from key0 (key0 % 32 == 0) to hi > key0, into acc (see vd_pv_tile)."""
+    tile of keys from key0 (key0 % 32 == 0) to hi > key0, into acc (see vd_pv_tile). Each key's V
+    row is prefetched PREFETCH_KEYS ahead; the cells are stepped through as _key_scores does."""
+    blk, off = key0 // bs, key0 % bs
+    jp = key0 + PREFETCH_KEYS
+    pblk, poff = jp // bs, jp % bs
     for t0 in range(key0, hi, PV_TILE):
         n = min(PV_TILE, hi - t0)
         for j in range(t0, t0 + n):
-            widen8(vf, (block_table[j // bs] * bs + j % bs) * kstride + head_off + e0, vbuf, (j - t0) * PV_DIMS, PV_DIMS)
+            if jp < hi:
+                prefetch_rows(vf, (block_table[pblk] * bs + poff) * kstride + head_off + e0, kstride, 1, PV_DIMS)
+                jp, poff = jp + 1, poff + 1
+                if poff == bs:
+                    pblk, poff = pblk + 1, 0
+            widen8(vf, (block_table[blk] * bs + off) * kstride + head_off + e0, vbuf, (j - t0) * PV_DIMS, PV_DIMS)
+            off += 1
+            if off == bs:
+                blk, off = blk + 1, 0
         vd_pv_tile(P, G, t0 - key0, n, vbuf, acc, 1 if t0 == key0 else 0)
 
 
@@ -546,10 +586,8 @@ def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, softcap, out
         width = (hi - key0 + 7) // 8 * 8
         table = tables[r]
         S = np.empty((G, width), np.float32)
-        for j in range(lo, hi):
-            base = (table[j // bs] * bs + j % bs) * kstride + kvh * hd
-            for g in range(G):
-                S[g, j - key0] = vd_dot(qf, (r * Hq + kvh * G + g) * hd, kf, base, hd)
+        _key_scores(qf, (r * Hq + kvh * G) * hd, G, hd, kf, table, bs, kstride, kvh * hd, lo, hi, key0, S.reshape(-1),
+                    0, width)
         _softmax_rows(S.reshape(-1), G, width, key0, np.full(G, lo, np.int64), np.full(G, hi - 1, np.int64), scale,
                       softcap)
         acc = np.empty(G * PV_HEAD_STRIDE, np.float32)
