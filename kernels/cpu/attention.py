@@ -500,16 +500,22 @@ def _decode_softmax(S, key0, lo, hi, scale, softcap):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def _pv_lane(a, lane, e):
+    """Lane `lane` of GGML_F32x8_REDUCE's (s0+s2) + (s1+s3) for head dim e: accumulator j's lane is
+    chain 8j + lane of vd_pv_tile (a: one head's chains, chain c at a[c*PV_DIMS ..])."""
+    return (a[lane * PV_DIMS + e] + a[(16 + lane) * PV_DIMS + e]) + (a[(8 + lane) * PV_DIMS + e] + a[(24 + lane) * PV_DIMS + e])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _pv_reduce(acc, G, h0, e0, out):
-    """GGML_F32x8_REDUCE of vd_pv_tile's 32 chains per head dim: out[h0+g, e0 .. e0+PV_DIMS]."""
-    x = np.empty(8, np.float32)
+    """GGML_F32x8_REDUCE of vd_pv_tile's 32 chains per head dim: out[h0+g, e0 .. e0+PV_DIMS]. The
+    head dims are the innermost loop (no scratch array), so the compiler runs the tree on vectors
+    of them."""
     for g in range(G):
         a = acc[g * PV_HEAD_STRIDE:g * PV_HEAD_STRIDE + 32 * PV_DIMS]
         for e in range(PV_DIMS):
-            for lane in range(8):
-                x[lane] = (a[lane * PV_DIMS + e] + a[(16 + lane) * PV_DIMS + e]) + \
-                    (a[(8 + lane) * PV_DIMS + e] + a[(24 + lane) * PV_DIMS + e])
-            out[h0 + g, e0 + e] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]))
+            out[h0 + g, e0 + e] = ((_pv_lane(a, 0, e) + _pv_lane(a, 4, e)) + (_pv_lane(a, 1, e) + _pv_lane(a, 5, e))) + \
+                ((_pv_lane(a, 2, e) + _pv_lane(a, 6, e)) + (_pv_lane(a, 3, e) + _pv_lane(a, 7, e)))
 
 
 @njit(cache=True, error_model="numpy", inline="always")
