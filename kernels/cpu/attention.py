@@ -37,11 +37,12 @@ from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin, s
 from kernels.cpu.quant import round_f16
 from kernels.cpu.simd import WIDE
 
-# Decode attention reads each key's K and V rows once, from memory at long contexts (every layer's
-# cache is evicted by the weights streaming past), one 4 KB cache block per 16 keys: the hardware
-# prefetchers restart at each page and the reads wait on DRAM, so the kernels prefetch the rows
-# this many keys ahead (README: measured).
+# Decode attention reads each key's K and V rows once, from memory where the weights streaming past
+# have evicted the layer's cache, a 4 KB cache block per 16 keys (qwen 0.5B's heads) where the
+# hardware prefetchers start over; so the kernels prefetch the rows this many keys ahead. It pays
+# where the reads wait on memory, not where attention is compute (README: measured).
 PREFETCH_KEYS = 32
+
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _write_kv(k_cache, v_cache, block_table, start_pos, k, v):
@@ -455,7 +456,7 @@ def _key_scores(qf, q0, G, hd, kf, table, bs, kstride, koff, j0, j_end, key0, sf
     """ggml_vec_dot_f16 scores of G query heads (qf[q0 + g*hd : +hd]) against the keys j0 .. j_end-1
     of a kv head (key j's row at kf[(table[j // bs]*bs + j % bs)*kstride + koff]) into
     sf[s0 + g*ld + j - key0], each key's row prefetched PREFETCH_KEYS ahead. The cache cells are
-    stepped through block by block: a division per key cost a tenth of the scores."""
+    stepped through block by block (no division per key)."""
     blk, off = j0 // bs, j0 % bs                   # key j's cache cell
     jp = j0 + PREFETCH_KEYS
     pblk, poff = jp // bs, jp % bs                 # and the one PREFETCH_KEYS ahead
