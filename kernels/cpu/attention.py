@@ -452,24 +452,29 @@ def attention_prefill(q, k_cache, v_cache, block_table, q_start: int, scale: flo
 
 
 @njit(cache=True, error_model="numpy", inline="always")
+def _next_cell(blk, off, bs):
+    """The cache cell after (logical block blk, offset off): decode attention walks a sequence's
+    keys cell by cell, without a division per key."""
+    if off + 1 == bs:
+        return blk + 1, 0
+    return blk, off + 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _key_scores(qf, q0, G, hd, kf, table, bs, kstride, koff, j0, j_end, key0, sf, s0, ld):
     """ggml_vec_dot_f16 scores of G query heads (qf[q0 + g*hd : +hd]) against the keys j0 .. j_end-1
     of a kv head (key j's row at kf[(table[j // bs]*bs + j % bs)*kstride + koff]) into
-    sf[s0 + g*ld + j - key0], each key's row prefetched PREFETCH_KEYS ahead. The cache cells are
-    stepped through block by block (no division per key)."""
+    sf[s0 + g*ld + j - key0], each key's row prefetched PREFETCH_KEYS ahead."""
     blk, off = j0 // bs, j0 % bs                   # key j's cache cell
     jp = j0 + PREFETCH_KEYS
     pblk, poff = jp // bs, jp % bs                 # and the one PREFETCH_KEYS ahead
     for j in range(j0, j_end):
         if jp < j_end:
             prefetch_rows(kf, (table[pblk] * bs + poff) * kstride + koff, kstride, 1, hd)
-            jp, poff = jp + 1, poff + 1
-            if poff == bs:
-                pblk, poff = pblk + 1, 0
+            jp += 1
+            pblk, poff = _next_cell(pblk, poff, bs)
         base = (table[blk] * bs + off) * kstride + koff
-        off += 1
-        if off == bs:
-            blk, off = blk + 1, 0
+        blk, off = _next_cell(blk, off, bs)
         for g in range(G):
             sf[s0 + g * ld + j - key0] = vd_dot(qf, q0 + g * hd, kf, base, hd)
 
@@ -523,7 +528,7 @@ def _pv_reduce(acc, G, h0, e0, out):
 def _pv_group(P, G, vf, block_table, bs, head_off, kstride, key0, hi, e0, acc, vbuf):
     """P@V chains of a kv head's G query heads (P's rows), head dims e0 .. e0+PV_DIMS-1, tile by
     tile of keys from key0 (key0 % 32 == 0) to hi > key0, into acc (see vd_pv_tile). Each key's V
-    row is prefetched PREFETCH_KEYS ahead; the cells are stepped through as _key_scores does."""
+    row is prefetched PREFETCH_KEYS ahead."""
     blk, off = key0 // bs, key0 % bs
     jp = key0 + PREFETCH_KEYS
     pblk, poff = jp // bs, jp % bs
@@ -532,13 +537,10 @@ def _pv_group(P, G, vf, block_table, bs, head_off, kstride, key0, hi, e0, acc, v
         for j in range(t0, t0 + n):
             if jp < hi:
                 prefetch_rows(vf, (block_table[pblk] * bs + poff) * kstride + head_off + e0, kstride, 1, PV_DIMS)
-                jp, poff = jp + 1, poff + 1
-                if poff == bs:
-                    pblk, poff = pblk + 1, 0
+                jp += 1
+                pblk, poff = _next_cell(pblk, poff, bs)
             widen8(vf, (block_table[blk] * bs + off) * kstride + head_off + e0, vbuf, (j - t0) * PV_DIMS, PV_DIMS)
-            off += 1
-            if off == bs:
-                blk, off = blk + 1, 0
+            blk, off = _next_cell(blk, off, bs)
         vd_pv_tile(P, G, t0 - key0, n, vbuf, acc, 1 if t0 == key0 else 0)
 
 
