@@ -450,6 +450,31 @@ class Decoder:
             a.nbytes for b in self.blocks if b.experts is not None for a in (b.experts.gate, b.experts.up, b.experts.down))
         self.softmax = "llama.cpp"
         self._pool: dict = {}            # (block shape, runs' bytes) -> fused.RowBuffers of at most POOLED_ROWS rows
+        self._loop = self._compiled_loop()
+        self._caches: tuple = ()         # (k_cache, v_cache, their per-layer lists for fused.layers)
+
+    def _compiled_loop(self):
+        """What fused.layers needs that does not change from pass to pass: the distinct rope tables'
+        and windows' keys (at most two of each), which of them each layer takes, and the layers'
+        weights as one list; None where a layer is a mixture of experts or they do not fit (the
+        layers are then called one by one from Python)."""
+        cfg = self.cfg
+        ropes, windows = sorted(set(cfg.layer_rope)), sorted(set(cfg.layer_window))
+        if any(b.experts is not None for b in self.blocks) or len(ropes) > 2 or len(windows) > 2:
+            return None
+        weights = fused.stack([b.weights for b in self.blocks])
+        if weights is None:
+            return None
+        second = np.array([(ropes.index(r) == 1, windows.index(w) == 1)
+                           for r, w in zip(cfg.layer_rope, cfg.layer_window)], np.bool_).reshape(-1, 2)
+        return ropes, windows, second, weights
+
+    def _cache_lists(self, k_cache: list, v_cache: list):
+        """A cache's per-layer arrays (as uint16) as fused.layers' lists, made once per cache."""
+        if not self._caches or self._caches[0] is not k_cache or self._caches[1] is not v_cache:
+            lists = [fused.stack([c.view(np.uint16) for c in cache]) for cache in (k_cache, v_cache)]
+            self._caches = (k_cache, v_cache, *lists)
+        return self._caches[2], self._caches[3]
 
     def set_attention_softmax(self, softmax: str) -> None:
         """"llama.cpp" (the default: its float16 probabilities, so greedy output tracks llama.cpp's)
@@ -538,7 +563,8 @@ class Decoder:
         bufs: dict = {}                     # block shape -> its buffers for this pass
         threads = moe.threads()             # (the experts' layers split their work by it)
         last = len(self.blocks) - 1
-        for il, block in enumerate(self.blocks):
+        first = self._run_compiled(x, runs, T, tables, plans, k_cache, v_cache, last if keep is not None else last + 1, bufs)
+        for il, block in enumerate(self.blocks[first:], first):
             b = bufs.get(block.shape)
             if b is None:
                 b = bufs[block.shape] = self._buffers(block, runs, T)
@@ -556,6 +582,30 @@ class Decoder:
             else:
                 fused.layer(*args)
         return self._logits(x, keep_runs, vocab_limit)
+
+    def _run_compiled(self, x, runs: tuple, T: int, tables: dict, plans: dict, k_cache, v_cache, n: int,
+                      bufs: dict) -> int:
+        """Layers 0 .. n-1 through fused.layers, where the model allows it (_compiled_loop); returns how
+        many layers it ran, for the Python loop to go on from (bufs: the pass's buffers by block shape,
+        filled here for it)."""
+        if self._loop is None or n == 0:
+            return 0
+        ropes, windows, second, weights = self._loop
+        per_layer = self._pooled(T, ("layers", b"".join(a.tobytes() for a in runs)), lambda: self._buffer_list(runs, T, bufs))
+        kcs, vcs = self._cache_lists(k_cache, v_cache)
+        if per_layer is None or kcs is None or vcs is None:
+            return 0
+        fused.layers(x, n, tables[ropes[0]], tables[ropes[-1]], plans[windows[0]], plans[windows[-1]], second,
+                     weights, kcs, vcs, per_layer)
+        return n
+
+    def _buffer_list(self, runs: tuple, T: int, by_shape: dict):
+        """Each layer's buffers for these runs as one list, the layers of one shape sharing theirs
+        (into by_shape)."""
+        for block in self.blocks:
+            if block.shape not in by_shape:
+                by_shape[block.shape] = self._buffers(block, runs, T)
+        return fused.stack([by_shape[block.shape] for block in self.blocks])
 
     def _logits(self, x: np.ndarray, runs: tuple, vocab_limit: int | None = None) -> np.ndarray:
         """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens

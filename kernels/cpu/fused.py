@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, typed, typeof
 
 from kernels.cpu.activations import _round_to_f16
 from kernels.cpu.attention import (WIDE_KV_BYTES, _decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
@@ -310,6 +310,29 @@ def layer(x, cs, w, k_cache, v_cache, plan, b):
     layer's window; b: the rows' buffers and runs."""
     x += _attention(x, cs, w, k_cache, v_cache, plan, b)
     _ffn(x, w, b)
+
+
+@njit(cache=True, error_model="numpy")
+def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs):
+    """layer for layers 0 .. n-1 in turn, in one compiled call: a decode step of a small model
+    otherwise spends a share of its time in Python, calling and typing each layer's arguments (README:
+    measured). ws, k_caches, v_caches, bufs: each layer's weights, cache and buffers (stack); layer
+    il takes rope table cs1 where second[il, 0], else cs0, and plan1 where second[il, 1], else plan0."""
+    for il in range(n):
+        layer(x, cs1 if second[il, 0] else cs0, ws[il], k_caches[il], v_caches[il],
+              plan1 if second[il, 1] else plan0, bufs[il])
+
+
+def stack(items: list):
+    """The layers' items (LayerWeights, cache arrays, RowBuffers) as one numba list for `layers`, or
+    None where numba cannot hold them in one list (items of different numba types)."""
+    kinds = {typeof(item) for item in items}
+    if len(kinds) != 1:
+        return None
+    out = typed.List.empty_list(kinds.pop())
+    for item in items:
+        out.append(item)
+    return out
 
 
 @njit(cache=True, error_model="numpy")

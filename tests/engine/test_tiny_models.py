@@ -322,3 +322,34 @@ def test_mixture_of_experts_prompt_then_decode_equals_llamacpp(qtype, tiny_model
         native.close()
         ll.close()
     np.testing.assert_array_equal(np.stack(ours), np.stack(theirs))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_compiled_layer_loop_equals_the_python_loop(arch, tiny_model):
+    """A pass runs its layers in one compiled call (fused.layers) where the model allows it; the
+    numbers are those of the layers called one by one from Python, for a prompt and for decode steps
+    (gemma3: two rope tables and two attention windows, each layer taking its own)."""
+    g, tok = tiny_model(arch, "Q4_K")
+    native = NativeBackend(g, tok, 256, 2)
+    model = native.model
+    assert model._loop is not None
+    runs = {}
+    for name, loop in (("compiled", model._loop), ("python", None)):
+        model._loop = loop
+        native.seq.release()
+        full = native.logits_all(IDS[:30])
+        native.seq.release()
+        native.extend(IDS[:20])
+        steps = np.stack([native.extend([t]) for t in IDS[20:30]])
+        runs[name] = (full, steps)
+    native.close()
+    np.testing.assert_array_equal(runs["compiled"][0], runs["python"][0])
+    np.testing.assert_array_equal(runs["compiled"][1], runs["python"][1])
+
+
+def test_mixture_of_experts_layers_are_called_from_python(tiny_model):
+    """The experts' layers (kernels.cpu.moe.layer) do not go through fused.layers."""
+    g, tok = tiny_model("qwen3moe", "Q4_K")
+    native = NativeBackend(g, tok, 256, 2)
+    assert native.model._loop is None
+    native.close()
