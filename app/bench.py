@@ -25,6 +25,9 @@ from models.errors import BadInputError
 from models.gguf_file import open_model
 
 PEER = "llama.cpp-peer"     # llama.cpp with every SIMD extension of this CPU, in its own process (app.peer)
+# Each round also runs the read probe on this many bytes (far beyond any cache): decode's "% now" is
+# against the memory of the same minutes, which on a shared machine moves by more than a change does.
+PROBE_BYTES = 256 << 20
 
 
 def weight_bytes_per_token(gguf, tensor_bytes=lambda t: t.n_bytes) -> int:
@@ -462,6 +465,7 @@ def cmd_bench(args) -> int:
         peer.time(random_prompt(rng, min(args.n_prompt, 64), n_vocab, avoid), 4)
 
     samples: dict[tuple[str, str], list[float]] = {}
+    probes: list[float] = []                  # the read probe's GB/s, once per round
     pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}" + (f"@d{args.depth}" if args.depth else "")
     for rep in range(args.repetitions):
         for name in devices:
@@ -479,9 +483,14 @@ def cmd_bench(args) -> int:
             samples.setdefault((name, tg), []).append(args.n_gen / decode_s)
             print(f"round {rep + 1}/{args.repetitions} {name}: {pp} {args.n_prompt / prompt_s:.1f} t/s, "
                   f"{tg} {args.n_gen / decode_s:.1f} t/s", file=sys.stderr)
+        if "cpu" in devices.values():          # the memory of this round, beside its decodes
+            from kernels.cpu.bandwidth import read_bandwidth_gb_s
+            probes.append(read_bandwidth_gb_s(PROBE_BYTES, 3))
+            print(f"round {rep + 1}/{args.repetitions} read probe: {probes[-1]:.1f} GB/s", file=sys.stderr)
 
     card = card_bandwidth_gb_s() if "cuda" in devices.values() else None
     memory = machine_bandwidth_gb_s() if "cpu" in devices.values() else None   # the CPU's measured read GB/s
+    now = statistics.fmean(probes) if probes else None                          # ... in this run's rounds
     names = list(devices)
     rows = []
     for (name, test), values in samples.items():
@@ -501,7 +510,8 @@ def cmd_bench(args) -> int:
                     row.update(gpu=card[0], peak_gb_s=round(card[1], 1),
                                pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / card[1], 1))
                 elif memory is not None and devices[name] == "cpu":
-                    row.update(peak_gb_s=memory, pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / memory, 1))
+                    row.update(peak_gb_s=memory, pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / memory, 1),
+                               now_gb_s=round(now, 2), pct_of_now=round(100 * mean * bytes_per_token[name] / 1e9 / now, 1))
         rows.append(row)
     order = {pp: 0, tg: 1, "ttft": 2}
     rows.sort(key=lambda r: (order[r["test"]], names.index(r["backend"])))
@@ -510,7 +520,8 @@ def cmd_bench(args) -> int:
     if memory is not None:
         from kernels.cpu.isa import variant
         print(f"CPU: {cpu_name()}, kernels {variant()}, measured read bandwidth {memory:.1f} GB/s on "
-              f"{args.threads or 'all'} threads (decode's % peak is against it)", file=sys.stderr if args.json else sys.stdout)
+              f"{args.threads or 'all'} threads (decode's % peak is against it), {now:.1f} GB/s in this run's rounds "
+              f"(% now)", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         for row in rows:
             print(json.dumps(row))
@@ -554,13 +565,16 @@ def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 def print_table(rows: list[dict], names: list[str], bytes_per_token: dict[str, int]) -> None:
     peak = any("pct_of_peak" in r for r in rows)
+    now = any("pct_of_now" in r for r in rows)
     wide = max([12] + [len(r["backend"]) for r in rows])
-    print(f"{'backend':<{wide}} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}" + (f" {'% peak':>6}" if peak else ""))
+    print(f"{'backend':<{wide}} {'test':<8} {'t/s':>16} {'ms':>16} {'GB/s':>7}" + (f" {'% peak':>6}" if peak else "")
+          + (f" {'% now':>6}" if now else ""))
     for r in rows:
         ts = f"{r['t_s_mean']:.2f} ± {r['t_s_sd']:.2f}"
         ms = f"{r['ms_mean']:.1f} ± {r['ms_sd']:.1f}" if "ms_mean" in r else (f"{r['tpot_ms']:.2f} tpot" if "tpot_ms" in r else "")
         gb = f"{r['gb_s']:.1f}" if r["gb_s"] is not None else ""
         pct = f" {r['pct_of_peak']:>5.1f}%" if "pct_of_peak" in r else ""
+        pct += f" {r['pct_of_now']:>5.1f}%" if "pct_of_now" in r else ""
         print(f"{r['backend']:<{wide}} {r['test']:<8} {ts:>16} {ms:>16} {gb:>7}{pct}")
     for test in dict.fromkeys(r["test"] for r in rows):
         by = {r["backend"]: r for r in rows if r["test"] == test}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kernels.cpu.ops import serial_twin
 from kernels.cpu.quant import round_f16
 
 
@@ -13,6 +14,9 @@ def _round_to_f16(x, out):
     for i in prange(x.shape[0]):
         for j in range(x.shape[1]):
             out[i, j] = round_f16(x[i, j])
+
+
+_round_to_f16_serial = serial_twin(_round_to_f16)
 
 
 def round_to_f16(x: np.ndarray) -> np.ndarray:

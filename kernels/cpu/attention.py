@@ -650,6 +650,14 @@ def _choose_splits(n_keys: int, n_kv_heads: int, block_size: int) -> int:
     return min(want, most)
 
 
+# Decode rows in one parallel region (_decode_rows: an item per row and kv head) where those items
+# keep every thread busy, or where no row's keys split anyway (a short context); elsewhere three
+# regions per row (scores, softmax, P@V), split over the keys. The same bits either way; the fewer
+# regions, the less a layer waits on their launches (README: measured). False: always the split
+# kernels (the tests run both).
+DECODE_TOGETHER = True
+
+
 class AttentionPlan(NamedTuple):
     """Where a forward pass's rows look in the paged cache, for one attention window: made here from
     the cache's geometry, read by kernels.cpu.fused.layer. A row is either a decode row (a decode
@@ -706,7 +714,10 @@ def attention_plan(segments, window: int, n_q_heads: int, n_kv_heads: int, head_
         serial = online and n_keys * n_kv_heads * head_dim < ops.PAR_MIN
         chunk[i] = _split_chunk(n_keys, 1 if serial else _choose_splits(n_keys, n_kv_heads, block_size), block_size,
                                 online)
-    together = len(segments) > 1 and len(rows) > 1 and not online
+    items = len(rows) * n_kv_heads
+    short = bool(np.all(chunk >= n_kv - lo))
+    together = (DECODE_TOGETHER and not online and items > 0
+                and (len(segments) > 1 and len(rows) > 1 or items % threads == 0 or short))
     # (one array, not five: the layer unboxes its arguments on every call)
     per_row = np.stack([np.array(rows, np.int64), n_kv, lo, chunk, lo - lo % 32], axis=1)
     return AttentionPlan(np.concatenate(slots), online, int(window), per_row, _padded(tables), together,

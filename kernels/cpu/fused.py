@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, typed, typeof
 
-from kernels.cpu.activations import _round_to_f16
+from kernels.cpu.activations import _round_to_f16, _round_to_f16_serial
 from kernels.cpu.attention import (WIDE_KV_BYTES, _decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
                                    _write_kv_slots_serial)
 from kernels.cpu.attention_online import decode_partial, decode_partial_v, merge_splits, prefill_online
@@ -164,7 +164,11 @@ def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
         _rope_serial(k, cs, w.rope_neox, b.kbuf)
     if w.q_scale != np.float32(1.0):
         b.q16[:] *= w.q_scale
-    _round_to_f16(b.q16.reshape(T * Hq, hd), b.q16.reshape(T * Hq, hd))    # one parallel region for all rows
+    q16 = b.q16.reshape(T * Hq, hd)
+    if T > 1:
+        _round_to_f16(q16, q16)                         # one parallel region for all rows
+    else:
+        _round_to_f16_serial(q16, q16)
     if T > 1:
         _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, v)
     else:

@@ -34,6 +34,9 @@ def test_bench_runs_native_against_the_peer(tmp_path):
     assert {(r["backend"], r["test"]) for r in rows} == {(b, t) for b in ("native", "llama.cpp-peer")
                                                          for t in ("pp16", "tg4", "ttft")}
     assert all(r["t_s_mean"] > 0 and r["device"] == "cpu" for r in rows)
+    for r in (r for r in rows if r["test"] == "tg4"):     # decode against the read probe of the same rounds
+        assert r["now_gb_s"] > 0 and r["pct_of_now"] == pytest.approx(100 * r["gb_s"] / r["now_gb_s"], abs=0.2)
+    assert "round 1/1 read probe:" in err
     built = next(line for line in err.splitlines() if line.startswith("llama.cpp-peer: llama.cpp built with"))
     assert ("AVX512" in built) == ("avx512f" in cpu_flags())
     assert "AVX512 = 1" not in llama_cpp.llama_print_system_info().decode()    # the oracle, in this process

@@ -353,3 +353,28 @@ def test_mixture_of_experts_layers_are_called_from_python(tiny_model):
     native = NativeBackend(g, tok, 256, 2)
     assert native.model._loop is None
     native.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_decode_rows_in_one_region_equal_the_split_kernels(arch, tiny_model, monkeypatch):
+    """Decode steps and a speculative check's rows (verify) give the same numbers whether their
+    attention runs in one parallel region (attention.DECODE_TOGETHER, where the plan allows it) or
+    as the split kernels (scores, softmax, P@V per row), deep enough that those split the keys."""
+    from kernels.cpu import attention
+    g, tok = tiny_model(arch, "Q8_0")
+    ids = [1] + [int(t) for t in np.random.default_rng(3).integers(3, fx.N_VOCAB, 199)]
+    native = NativeBackend(g, tok, 256, 2)
+    runs = {}
+    for together in (True, False):
+        monkeypatch.setattr(attention, "DECODE_TOGETHER", together)
+        plan = attention.attention_plan([(np.arange(13, dtype=np.int32), 190, 1, True)], 0, fx.N_HEAD, fx.N_HEAD_KV,
+                                        fx.HEAD_DIM, 16)
+        assert plan.together == together
+        assert plan.rows[0, 3] < 191                    # the split kernels split this row's keys
+        native.seq.release()
+        native.extend(ids[:180])
+        steps = np.stack([native.extend([t]) for t in ids[180:190]])
+        runs[together] = (steps, native.verify(ids[190:196]))
+    native.close()
+    np.testing.assert_array_equal(runs[True][0], runs[False][0])
+    np.testing.assert_array_equal(runs[True][1], runs[False][1])
