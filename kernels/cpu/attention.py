@@ -31,7 +31,7 @@ from kernels.cpu.attention_tiles import prefetch_rows
 from kernels.cpu.attention_online import (decode_partial, decode_partial_serial, decode_partial_v, decode_partial_v_serial,
                                          merge_splits, prefill_online, prefill_online_serial)
 from kernels.cpu import ops
-from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, TB512_RN, pair_rows8, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot, vd_pv_tile,
+from kernels.cpu.attention_avx2 import (PV_DIMS, PV_HEAD_STRIDE, PV_TILE, TB512_RN, pair_rows8, tb_1x1_f32, tb_1x4_f32, tb_2x1_f32, tb_2x4_f32, tb_4x3_f32, vd_dot_heads, vd_pv_tile,
                                         scale_max8, tb512_1x1, tb512_1xn, tb512_2x1, tb512_2xn, widen8, widen_transpose8)
 from kernels.cpu.ops import f16_bits, f16_value, ggml_expf, pick, serial_twin, soft_cap
 from kernels.cpu.quant import round_f16
@@ -475,8 +475,7 @@ def _key_scores(qf, q0, G, hd, kf, table, bs, kstride, koff, j0, j_end, key0, sf
             pblk, poff = _next_cell(pblk, poff, bs)
         base = (table[blk] * bs + off) * kstride + koff
         blk, off = _next_cell(blk, off, bs)
-        for g in range(G):
-            sf[s0 + g * ld + j - key0] = vd_dot(qf, q0 + g * hd, kf, base, hd)
+        vd_dot_heads(qf, q0, hd, G, kf, base, hd, sf, s0 + j - key0, ld)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -576,7 +575,7 @@ _decode_pv_serial = serial_twin(_decode_pv)
 def _decode_rows(q, k_cache, v_cache, tables, n_kvs, window, scale, softcap, out):
     """Many one-token queries at once, each over its own sequence's cache: query r (row r of q, at
     position n_kvs[r] - 1, block table tables[r]) gets exactly attention_decode's numbers (the same
-    vd_dot scores, _softmax_row and P@V chains; only the work is split differently: one
+    vd_dot_heads scores, _softmax_row and P@V chains; only the work is split differently: one
     item per (query, kv head)). Why: a batch step with 32 sequences otherwise pays 32 x 3 kernel
     launches per layer, most of the step for short contexts."""
     R, Hq, hd = q.shape

@@ -187,25 +187,47 @@ def pair_rows8(typingctx, A, ia, lda, n_rows, L, A2):
     return sig, codegen
 
 
+# Query heads per pass over a key's row in vd_dot_heads: each widened K vector is loaded once for
+# this many heads, whose accumulators stay in registers side by side (README: measured).
+DOT_HEADS = 3
+
+
 @intrinsic
-def vd_dot(typingctx, a, ia, b, ib, n):
-    """ggml_vec_dot_f16 of a[ia : ia+n] (float32 holding float16 values) and b[ib : ib+n] (float16
-    bits): 4 accumulators of 8 lanes, chains over steps of 32, GGML_F32x8_REDUCE; n % 32 == 0."""
-    sig = types.float32(a, ia, b, ib, n)
+def vd_dot_heads(typingctx, a, ia, stride, G, b, ib, n, out, io, ostride):
+    """ggml_vec_dot_f16 of G query rows and one key: out[io + g * ostride] = the dot of a[ia + g *
+    stride : +n] (float32 holding float16 values) and b[ib : ib+n] (float16 bits), for g < G: 4
+    accumulators of 8 lanes, chains over steps of 32, GGML_F32x8_REDUCE; n % 32 == 0. The key's row
+    is widened once for DOT_HEADS heads at a time."""
+    sig = types.void(a, ia, stride, G, b, ib, n, out, io, ostride)
 
     def codegen(context, builder, signature, args):
-        aa, ba = array(context, builder, signature.args[0], args[0]), array(context, builder, signature.args[2], args[2])
-        ia, ib, n = (as_i64(builder, args[k]) for k in (1, 3, 4))
+        aa, ba, oa = (array(context, builder, signature.args[k], args[k]) for k in (0, 4, 7))
+        ia, stride, G, ib, n, io, ostride = (as_i64(builder, args[k]) for k in (1, 2, 3, 5, 6, 8, 9))
         bdata = builder.bitcast(ba.data, ir.HalfType().as_pointer())
         zero = ir.Constant(V8F, [0.0] * 8)
-        acc = [cgutils.alloca_once_value(builder, zero) for _ in range(4)]
-        with cgutils.for_range_slice(builder, c64(0), n, c64(32)) as (e, _):
-            for k in range(4):
-                off = builder.add(e, c64(8 * k))
-                av = _load8(builder, aa.data, builder.add(ia, off), False)
-                bv = _load8(builder, bdata, builder.add(ib, off), True)
-                builder.store(fma(builder, av, bv, builder.load(acc[k])), acc[k])
-        return reduce4x8(builder, [builder.load(x) for x in acc])
+
+        def heads(g0, nh):
+            rows = [builder.add(ia, builder.mul(builder.add(g0, c64(h)), stride)) for h in range(nh)]
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in range(nh)]
+            with cgutils.for_range_slice(builder, c64(0), n, c64(32)) as (e, _):
+                bv = [_load8(builder, bdata, builder.add(ib, builder.add(e, c64(8 * k))), True) for k in range(4)]
+                for h in range(nh):
+                    for k in range(4):
+                        av = _load8(builder, aa.data, builder.add(rows[h], builder.add(e, c64(8 * k))), False)
+                        builder.store(fma(builder, av, bv[k], builder.load(acc[h][k])), acc[h][k])
+            for h in range(nh):
+                r = reduce4x8(builder, [builder.load(x) for x in acc[h]])
+                builder.store(r, builder.gep(oa.data, [builder.add(io, builder.mul(builder.add(g0, c64(h)), ostride))]))
+
+        full = builder.sdiv(G, c64(DOT_HEADS))
+        with cgutils.for_range(builder, full) as bl:
+            heads(builder.mul(bl.index, c64(DOT_HEADS)), DOT_HEADS)
+        g_rest = builder.mul(full, c64(DOT_HEADS))
+        rest = builder.sub(G, g_rest)
+        for nh in range(1, DOT_HEADS):
+            with builder.if_then(builder.icmp_signed("==", rest, c64(nh))):
+                heads(g_rest, nh)
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -217,16 +239,23 @@ PV_TILE = 128    # keys whose V rows (PV_DIMS of them) are widened to float32 on
 PV_HEAD_STRIDE = 32 * PV_DIMS + 16
 
 
+# Heads per P@V pass over a chain's keys: each widened V vector is loaded once for this many heads,
+# whose chains (PV_DIMS / 8 vectors each) stay in registers side by side, independent of each other
+# (README: measured).
+PV_HEADS = 3
+
+
 @intrinsic
 def vd_pv_tile(typingctx, P, G, i0, n, vbuf, acc, first):
     """One tile of P@V for the G query heads of a kv head: the keys i0 .. i0+n-1 of P's rows (i0 %
     32 == 0), their V rows widened in vbuf[(i - i0) * PV_DIMS ..] (float32). Key i goes into chain
     i % 32 of each head: acc[g * PV_HEAD_STRIDE + (i % 32) * PV_DIMS ..], in order of i, which is
     ggml_vec_dot_f16's chain over the key cells (accumulator (i % 32) // 8, lane i % 8). A chain's
-    PV_DIMS / 8 vectors stay in registers over its keys of the tile. first != 0: the chains start
-    from zero (acc is not read; all 32 chains are written). Why: each V row is widened once per kv
-    head (not once per query head) and V is read in key order (not 32 keys apart), which pays off
-    over long contexts and costs a little over short ones (README: measured)."""
+    PV_DIMS / 8 vectors stay in registers over its keys of the tile, for PV_HEADS heads at a time.
+    first != 0: the chains start from zero (acc is not read; all 32 chains are written). Why: each V
+    row is widened once per kv head (not once per query head) and V is read in key order (not 32
+    keys apart), which pays off over long contexts and costs a little over short ones (README:
+    measured)."""
     sig = types.void(P, G, i0, n, vbuf, acc, first)
     NV = PV_DIMS // 8
 
@@ -236,31 +265,46 @@ def vd_pv_tile(typingctx, P, G, i0, n, vbuf, acc, first):
         is_first = builder.icmp_signed("!=", first, c64(0))
         zero = ir.Constant(V8F, [0.0] * 8)
         span = builder.sdiv(builder.extract_value(pa.strides, 0), c64(4))       # P's row stride in floats
-        with cgutils.for_range(builder, G) as gl:
-            g = gl.index
-            prow = builder.gep(pa.data, [builder.add(builder.mul(g, span), i0)])
-            n_chains = builder.select(builder.or_(is_first, builder.icmp_signed(">", n, c64(32))), c64(32), n)
+        n_chains = builder.select(builder.or_(is_first, builder.icmp_signed(">", n, c64(32))), c64(32), n)
+
+        def heads(g0, nh):
+            """Heads g0 .. g0+nh-1, every chain of the tile."""
+            prows = [builder.gep(pa.data, [builder.add(builder.mul(builder.add(g0, c64(h)), span), i0)]) for h in range(nh)]
             with cgutils.for_range(builder, n_chains) as rl:
                 r = rl.index
-                accp = builder.gep(aa.data, [builder.add(builder.mul(g, c64(PV_HEAD_STRIDE)), builder.mul(r, c64(PV_DIMS)))])
-                regs = [cgutils.alloca_once(builder, V8F) for _ in range(NV)]
+                accp = [builder.gep(aa.data, [builder.add(builder.mul(builder.add(g0, c64(h)), c64(PV_HEAD_STRIDE)),
+                                                          builder.mul(r, c64(PV_DIMS)))]) for h in range(nh)]
+                regs = [[cgutils.alloca_once(builder, V8F) for _ in range(NV)] for _ in range(nh)]
                 with builder.if_else(is_first) as (then, otherwise):
                     with then:
-                        for v in range(NV):
-                            builder.store(zero, regs[v])
+                        for h in range(nh):
+                            for v in range(NV):
+                                builder.store(zero, regs[h][v])
                     with otherwise:
-                        for v in range(NV):
-                            builder.store(vload(builder, builder.gep(accp, [c64(8 * v)]), V8F), regs[v])
+                        for h in range(nh):
+                            for v in range(NV):
+                                builder.store(vload(builder, builder.gep(accp[h], [c64(8 * v)]), V8F), regs[h][v])
                 steps = builder.sdiv(builder.add(builder.sub(n, r), c64(31)), c64(32))
                 with cgutils.for_range(builder, steps) as tl:
                     kl = builder.add(r, builder.mul(tl.index, c64(32)))
-                    pv = splat(builder, builder.load(builder.gep(prow, [kl])), V8F)
                     vrow = builder.gep(ba.data, [builder.mul(kl, c64(PV_DIMS))])
+                    vv = [vload(builder, builder.gep(vrow, [c64(8 * v)]), V8F) for v in range(NV)]
+                    for h in range(nh):
+                        pv = splat(builder, builder.load(builder.gep(prows[h], [kl])), V8F)
+                        for v in range(NV):
+                            builder.store(fma(builder, pv, vv[v], builder.load(regs[h][v])), regs[h][v])
+                for h in range(nh):
                     for v in range(NV):
-                        vv = vload(builder, builder.gep(vrow, [c64(8 * v)]), V8F)
-                        builder.store(fma(builder, pv, vv, builder.load(regs[v])), regs[v])
-                for v in range(NV):
-                    vstore(builder, builder.load(regs[v]), builder.gep(accp, [c64(8 * v)]))
+                        vstore(builder, builder.load(regs[h][v]), builder.gep(accp[h], [c64(8 * v)]))
+
+        full = builder.sdiv(G, c64(PV_HEADS))
+        with cgutils.for_range(builder, full) as bl:
+            heads(builder.mul(bl.index, c64(PV_HEADS)), PV_HEADS)
+        g_rest = builder.mul(full, c64(PV_HEADS))
+        rest = builder.sub(G, g_rest)
+        for nh in range(1, PV_HEADS):
+            with builder.if_then(builder.icmp_signed("==", rest, c64(nh))):
+                heads(g_rest, nh)
         return context.get_dummy_value()
 
     return sig, codegen
