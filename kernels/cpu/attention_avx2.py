@@ -187,6 +187,19 @@ def pair_rows8(typingctx, A, ia, lda, n_rows, L, A2):
     return sig, codegen
 
 
+def in_head_blocks(builder, G, per: int, emit) -> None:
+    """emit(g0, nh) for heads g0 .. g0+nh-1 of G (an i64 value): blocks of `per` heads, then the
+    rest (nh < per) once."""
+    full = builder.sdiv(G, c64(per))
+    with cgutils.for_range(builder, full) as bl:
+        emit(builder.mul(bl.index, c64(per)), per)
+    g_rest = builder.mul(full, c64(per))
+    rest = builder.sub(G, g_rest)
+    for nh in range(1, per):
+        with builder.if_then(builder.icmp_signed("==", rest, c64(nh))):
+            emit(g_rest, nh)
+
+
 # Query heads per pass over a key's row in vd_dot_heads: each widened K vector is loaded once for
 # this many heads, whose accumulators stay in registers side by side (README: measured).
 DOT_HEADS = 3
@@ -219,14 +232,7 @@ def vd_dot_heads(typingctx, a, ia, stride, G, b, ib, n, out, io, ostride):
                 r = reduce4x8(builder, [builder.load(x) for x in acc[h]])
                 builder.store(r, builder.gep(oa.data, [builder.add(io, builder.mul(builder.add(g0, c64(h)), ostride))]))
 
-        full = builder.sdiv(G, c64(DOT_HEADS))
-        with cgutils.for_range(builder, full) as bl:
-            heads(builder.mul(bl.index, c64(DOT_HEADS)), DOT_HEADS)
-        g_rest = builder.mul(full, c64(DOT_HEADS))
-        rest = builder.sub(G, g_rest)
-        for nh in range(1, DOT_HEADS):
-            with builder.if_then(builder.icmp_signed("==", rest, c64(nh))):
-                heads(g_rest, nh)
+        in_head_blocks(builder, G, DOT_HEADS, heads)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -297,14 +303,7 @@ def vd_pv_tile(typingctx, P, G, i0, n, vbuf, acc, first):
                     for v in range(NV):
                         vstore(builder, builder.load(regs[h][v]), builder.gep(accp[h], [c64(8 * v)]))
 
-        full = builder.sdiv(G, c64(PV_HEADS))
-        with cgutils.for_range(builder, full) as bl:
-            heads(builder.mul(bl.index, c64(PV_HEADS)), PV_HEADS)
-        g_rest = builder.mul(full, c64(PV_HEADS))
-        rest = builder.sub(G, g_rest)
-        for nh in range(1, PV_HEADS):
-            with builder.if_then(builder.icmp_signed("==", rest, c64(nh))):
-                heads(g_rest, nh)
+        in_head_blocks(builder, G, PV_HEADS, heads)
         return context.get_dummy_value()
 
     return sig, codegen
