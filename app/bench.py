@@ -467,6 +467,7 @@ def cmd_bench(args) -> int:
     samples: dict[tuple[str, str], list[float]] = {}
     probes: list[float] = []                  # the read probe's GB/s, once per round
     pp, tg = f"pp{args.n_prompt}", f"tg{args.n_gen}" + (f"@d{args.depth}" if args.depth else "")
+    from kernels.cpu.bandwidth import read_bandwidth_gb_s
     for rep in range(args.repetitions):
         for name in devices:
             prompt = random_prompt(rng, args.n_prompt, n_vocab, avoid)
@@ -484,7 +485,6 @@ def cmd_bench(args) -> int:
             print(f"round {rep + 1}/{args.repetitions} {name}: {pp} {args.n_prompt / prompt_s:.1f} t/s, "
                   f"{tg} {args.n_gen / decode_s:.1f} t/s", file=sys.stderr)
         if "cpu" in devices.values():          # the memory of this round, beside its decodes
-            from kernels.cpu.bandwidth import read_bandwidth_gb_s
             probes.append(read_bandwidth_gb_s(PROBE_BYTES, 3))
             print(f"round {rep + 1}/{args.repetitions} read probe: {probes[-1]:.1f} GB/s", file=sys.stderr)
 
@@ -504,14 +504,14 @@ def cmd_bench(args) -> int:
         else:
             row.update(t_s_mean=round(mean, 2), t_s_sd=round(sd, 2))
             if test == tg:
-                row["gb_s"] = round(mean * bytes_per_token[name] / 1e9, 2)
+                gb_s = mean * bytes_per_token[name] / 1e9
+                row["gb_s"] = round(gb_s, 2)
                 row["tpot_ms"] = round(1000 / mean, 2)
                 if card is not None and devices[name] == "cuda":
-                    row.update(gpu=card[0], peak_gb_s=round(card[1], 1),
-                               pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / card[1], 1))
+                    row.update(gpu=card[0], peak_gb_s=round(card[1], 1), pct_of_peak=round(100 * gb_s / card[1], 1))
                 elif memory is not None and devices[name] == "cpu":
-                    row.update(peak_gb_s=memory, pct_of_peak=round(100 * mean * bytes_per_token[name] / 1e9 / memory, 1),
-                               now_gb_s=round(now, 2), pct_of_now=round(100 * mean * bytes_per_token[name] / 1e9 / now, 1))
+                    row.update(peak_gb_s=memory, pct_of_peak=round(100 * gb_s / memory, 1),
+                               now_gb_s=round(now, 2), pct_of_now=round(100 * gb_s / now, 1))
         rows.append(row)
     order = {pp: 0, tg: 1, "ttft": 2}
     rows.sort(key=lambda r: (order[r["test"]], names.index(r["backend"])))

@@ -565,9 +565,7 @@ class Decoder:
         last = len(self.blocks) - 1
         first = self._run_compiled(x, runs, T, tables, plans, k_cache, v_cache, last if keep is not None else last + 1, bufs)
         for il, block in enumerate(self.blocks[first:], first):
-            b = bufs.get(block.shape)
-            if b is None:
-                b = bufs[block.shape] = self._buffers(block, runs, T)
+            b = self._shape_buffers(block, runs, T, bufs)
             args = (x, tables[block.rope], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
                     plans[block.window], b)
             if block.experts is not None:           # the same, with the experts as the FFN
@@ -599,13 +597,16 @@ class Decoder:
                      weights, kcs, vcs, per_layer)
         return n
 
+    def _shape_buffers(self, block: Block, runs: tuple, T: int, by_shape: dict) -> fused.RowBuffers:
+        """This pass's buffers for the block, shared by the layers of its shape (by_shape: the pass's)."""
+        b = by_shape.get(block.shape)
+        if b is None:
+            b = by_shape[block.shape] = self._buffers(block, runs, T)
+        return b
+
     def _buffer_list(self, runs: tuple, T: int, by_shape: dict):
-        """Each layer's buffers for these runs as one list, the layers of one shape sharing theirs
-        (into by_shape)."""
-        for block in self.blocks:
-            if block.shape not in by_shape:
-                by_shape[block.shape] = self._buffers(block, runs, T)
-        return fused.stack([by_shape[block.shape] for block in self.blocks])
+        """Each layer's buffers for these runs as one list (_shape_buffers)."""
+        return fused.stack([self._shape_buffers(block, runs, T, by_shape) for block in self.blocks])
 
     def _logits(self, x: np.ndarray, runs: tuple, vocab_limit: int | None = None) -> np.ndarray:
         """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens

@@ -167,11 +167,9 @@ def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
     q16 = b.q16.reshape(T * Hq, hd)
     if T > 1:
         _round_to_f16(q16, q16)                         # one parallel region for all rows
-    else:
-        _round_to_f16_serial(q16, q16)
-    if T > 1:
         _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, v)
     else:
+        _round_to_f16_serial(q16, q16)
         _write_kv_slots_serial(k_cache, v_cache, plan.slots, b.kbuf, v)
 
 
