@@ -130,6 +130,34 @@ def dot4_scaled(builder, u8, s8, scales, acc):
     return builder.add(acc, madd16(builder, pairs, scales))
 
 
+class Chains:
+    """An integer running sum kept in `n` accumulators taken in turn, added pairwise at the end.
+    The same sum as one accumulator (integer adds wrap alike in any order), but a one-row decode
+    kernel then has n multiply-adds in flight instead of one chain of them each waiting on the
+    last (README: measured). add(op, *args): the next accumulator becomes op(builder, *args, it),
+    an op that takes its accumulator last (dot4, dot4_scaled, add_to)."""
+
+    def __init__(self, builder, zero, n: int = 2):
+        self.builder, self.parts, self.i = builder, [zero] * n, 0
+
+    def add(self, op, *args) -> None:
+        k = self.i % len(self.parts)
+        self.parts[k] = op(self.builder, *args, self.parts[k])
+        self.i += 1
+
+    def total(self):
+        parts = self.parts
+        while len(parts) > 1:
+            parts = [self.builder.add(parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i]
+                     for i in range(0, len(parts), 2)]
+        return parts[0]
+
+
+def add_to(builder, v, acc):
+    """acc + v, lane-wise (integers)."""
+    return builder.add(acc, v)
+
+
 def psign(builder, a, s):
     """vpsignb: a negated where s < 0, zeroed where s == 0."""
     return call(builder, "llvm.x86.avx2.psign.b", V32B, [a, s])

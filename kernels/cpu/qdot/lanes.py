@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH
 from kernels.cpu.simd import (
-    V8F, V8I, V16S, V32B, array, byte_ptr, c32, c64, call, f32, fma, hsum8, lanes, madd16, dot4_scaled, prefetch,
+    V8F, V8I, V16S, V32B, Chains, array, byte_ptr, c32, c64, call, f32, fma, hsum8, lanes, madd16, dot4_scaled, prefetch,
     psign, splat, vload,
 )
 
@@ -69,13 +69,13 @@ def lane_kernel(name: str, block_bytes: int, decode, signed: bool, mins: bool, M
                     prefetch(builder, builder.gep(p, [c64(PREFETCH + line)]))
                 qs, ws, ss, dw, dmin, mn = decode(builder, p)
                 if MR == 1:        # one row: each chunk straight from the registers, no buffer
-                    lane = ir.Constant(V8I, [0] * 8)
+                    lane = Chains(builder, ir.Constant(V8I, [0] * 8))
                     for c in range(8):
                         x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * c))]), V32B)
                         if signed:
                             x = psign(builder, x, ws[c])
-                        lane = dot4_scaled(builder, qs[c], x, ss[c], lane)
-                    builder.store(lane, lanes_i32[0])
+                        lane.add(dot4_scaled, qs[c], x, ss[c])
+                    builder.store(lane.total(), lanes_i32[0])
                 else:
                     for i in range(MR):
                         builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])

@@ -386,9 +386,11 @@ def _group_dot(builder, ggml_type: int, wmag, w, x4, acc=None):
 
 
 def _add_dot(builder, ggml_type: int, dots: list, wmag, w, x4) -> None:
-    """Group k's dots: one per group, or for PER_BLOCK types one running sum (exact in any order)."""
-    if ggml_type in PER_BLOCK and dots:
-        dots[0] = _group_dot(builder, ggml_type, wmag, w, x4, dots[0])
+    """Group k's dots: one per group, or for PER_BLOCK types two running sums that groups take in
+    turn (exact in any order; two, so that each multiply-add need not wait on the last:
+    simd.Chains), which _block_step adds."""
+    if ggml_type in PER_BLOCK and len(dots) == 2:
+        dots.append(_group_dot(builder, ggml_type, wmag, w, x4, dots.pop(0)))
     else:
         dots.append(_group_dot(builder, ggml_type, wmag, w, x4))
 
@@ -399,8 +401,8 @@ def _block_step(builder, ggml_type: int, dots, sums, scale, accs, mins=None):
     """One block's float steps for one activation row: dots (8 V8I) of the groups, sums (8 i32): 16 x
     the row's group sums, scale (V8F) d_w * d_x, accs: the row's accumulator pointers (8; 1 for
     PER_BLOCK types; 8 and summs for MINS types), mins (V8F): m_w * s_x's factors (m_w, s_x)."""
-    if ggml_type in PER_BLOCK:                    # dots: the block's whole dot (_add_dot)
-        tot = dots[0]
+    if ggml_type in PER_BLOCK:                    # dots: the block's whole dot in two parts (_add_dot)
+        tot = builder.add(dots[0], dots[1])
         if ggml_type == T.Q4_0:                  # 8 x the block's sum of x = (16 x its group sums) / 2
             s = sums[0]
             for v in sums[1:]:

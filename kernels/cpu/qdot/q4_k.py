@@ -11,7 +11,7 @@ from numba.extending import intrinsic
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
 from kernels.cpu.qdot.rows16 import V32S, store_lanes
 from kernels.cpu.simd import (
-    VNNI, WIDE, V8F, prefetch, V8I, V16B, V16F, V16I, V16S, V32B, V8H, array, byte_ptr, c64, call, dot4, f32, fma, i32, load_as,
+    VNNI, WIDE, V8F, Chains, add_to, prefetch, V8I, V16B, V16F, V16I, V16S, V32B, V8H, array, byte_ptr, c64, call, dot4, f32, fma, i32, load_as,
     madd16, maddubs, not_this_variant, splat, vconst, vload, vstore,
 )
 
@@ -110,7 +110,10 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                         sc_lo = builder.shuffle_vector(sc, sc, lo_pairs)
                         sc_hi = builder.shuffle_vector(sc, sc, hi_pairs)
                     zero = ir.Constant(V8I, [0] * 8) if DOTS_VNNI else ir.Constant(V16S, [0] * 16)
-                    ilo, ihi = [zero] * MR, [zero] * MR
+                    # one or two rows: each half's sum in two chains (simd.Chains); more rows have
+                    # chains enough, one per row and half
+                    ilo = [Chains(builder, zero, 2 if MR <= 2 else 1) for _ in range(MR)]
+                    ihi = [Chains(builder, zero, 2 if MR <= 2 else 1) for _ in range(MR)]
                     xoff = builder.add(builder.mul(b, c64(256)), builder.mul(c, c64(64)))
                     pc = builder.gep(p, [builder.mul(c, c64(256))])
                     for step in range(8):
@@ -123,11 +126,12 @@ def _q4_k_kernel(MR: int, per_pair: bool):
                             xa_v = builder.bitcast(splat(builder, xa4, V8I), V32B)
                             xb_v = builder.bitcast(splat(builder, xb4, V8I), V32B)
                             if DOTS_VNNI:
-                                ilo[i] = dot4(builder, lo, xa_v, ilo[i])
-                                ihi[i] = dot4(builder, hi, xb_v, ihi[i])
+                                ilo[i].add(dot4, lo, xa_v)
+                                ihi[i].add(dot4, hi, xb_v)
                             else:
-                                ilo[i] = builder.add(ilo[i], maddubs(builder, lo, xa_v))
-                                ihi[i] = builder.add(ihi[i], maddubs(builder, hi, xb_v))
+                                ilo[i].add(add_to, maddubs(builder, lo, xa_v))
+                                ihi[i].add(add_to, maddubs(builder, hi, xb_v))
+                    ilo, ihi = [c.total() for c in ilo], [c.total() for c in ihi]
                     for i in range(MR):
                         if DOTS_VNNI:
                             isum = builder.add(builder.mul(ilo[i], sc_lo), builder.mul(ihi[i], sc_hi))

@@ -9,7 +9,7 @@ from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i16, i32,
+    V8F, Chains, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i16, i32,
     lanes, load_as, dot4_scaled, pshufb, splat, vconst, vload,
 )
 
@@ -82,7 +82,7 @@ def _q5_k_kernel(MR: int, tiled: bool):
                 ms2 = builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 32), list(range(16)) * 2))
                 mn = builder.zext(builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 8), list(range(8, 16)))), V8S)
                 qh = vload(builder, builder.gep(p, [c64(16)]), V32B)
-                lane = ir.Constant(V8I, [0] * 8)
+                lane = Chains(builder, ir.Constant(V8I, [0] * 8))
                 for j in range(4):
                     qs = vload(builder, builder.gep(p, [c64(48 + 32 * j)]), V32B)
                     halves = (builder.and_(qs, m15), shr(qs, 4))
@@ -93,12 +93,12 @@ def _q5_k_kernel(MR: int, tiled: bool):
                         scv = builder.bitcast(pshufb(builder, ms2, ir.Constant(V32B, [s, -128] * 16)), V16S)  # sc_s
                         if MR == 1:    # one row: each sub-block straight from the registers, no buffer
                             x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * s))]), V32B)
-                            lane = dot4_scaled(builder, qv, x, scv, lane)
+                            lane.add(dot4_scaled, qv, x, scv)
                             continue
                         builder.store(qv, builder.gep(qbuf, [c32(0), c32(s)]))
                         builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
                 if MR == 1:
-                    builder.store(lane, lanes_i32[0])
+                    builder.store(lane.total(), lanes_i32[0])
                 else:
                     for i in range(MR):
                         builder.store(ir.Constant(V8I, [0] * 8), lanes_i32[i])

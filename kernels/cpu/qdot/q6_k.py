@@ -9,7 +9,7 @@ from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, TILED_MIN_ROWS, X_CHUNK_BYTES
 from kernels.cpu.simd import (
-    REGISTERS, V8F, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
+    REGISTERS, V8F, Chains, prefetch, V8I, V16B, V16S, V32B, array, byte_ptr, c32, c64, call, f16, f32, fma, hsum8, i32,
     load_as, madd16, dot4_scaled, splat, vconst, vload,
 )
 
@@ -74,21 +74,20 @@ def _q6_k_kernel(MR: int, tiled: bool):
                 sc8 = vload(builder, builder.gep(p, [c64(192)]), V16B)
                 sc16 = builder.sext(sc8, V16S)                                   # the 16 scales
                 dw = builder.fpext(load_as(builder, p, f16, 208), f32)
+                lane = Chains(builder, ir.Constant(V8I, [0] * 8)) if MR == 1 else None
                 for j in range(2):
                     qv = _q6_k_half(builder, p, j)
-                    if MR == 1 and j == 0:
-                        lane = ir.Constant(V8I, [0] * 8)
                     for k in range(4):
                         s = 4 * j + k                                             # scales 2s, 2s+1
                         scv = builder.shuffle_vector(sc16, sc16, ir.Constant(ir.VectorType(i32, 16), [2 * s] * 8 + [2 * s + 1] * 8))
                         if MR == 1:        # one row: each chunk straight from the registers, no buffer
                             x = vload(builder, builder.gep(xrow[0], [builder.add(builder.mul(b, c64(256)), c64(32 * s))]), V32B)
-                            lane = dot4_scaled(builder, qv[k], x, scv, lane)
+                            lane.add(dot4_scaled, qv[k], x, scv)
                             continue
                         builder.store(qv[k], builder.gep(qbuf, [c32(0), c32(s)]))
                         builder.store(scv, builder.gep(sbuf, [c32(0), c32(s)]))
                 if MR == 1:
-                    builder.store(lane, lanes[0])
+                    builder.store(lane.total(), lanes[0])
                 else:
                     for i in range(MR):
                         builder.store(ir.Constant(V8I, [0] * 8), lanes[i])
