@@ -79,3 +79,20 @@ def test_another_checkout_of_the_same_kernels_finds_them_compiled(tmp_path):
     assert run(ROOT) in ((0, 1), (1, 0))                 # compiled and saved (or saved by a run before)
     assert run(clone) == (1, 0)
     assert run(clone, NUMBA_CACHE_LOCATOR_CLASSES="") == (0, 1)   # numba's locator: a folder per checkout
+
+
+IMPORT_CORE = """
+import core.engine
+from numba.core import config
+print(config.CACHE_DIR)
+"""
+
+
+def test_importing_core_points_numba_at_the_user_cache(tmp_path):
+    """A script or library that imports core.engine (not the CLI) compiles into the same cache, not
+    numba's default beside the sources, whose callers keep an edited callee's old kernels."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "NUMBA_CACHE_LOCATOR_CLASSES")}
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CORE], cwd=ROOT, capture_output=True, text=True,
+                          env=env | {"KVCHAT_CACHE_DIR": str(tmp_path)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(tmp_path / "numba" / paths.kernels_fingerprint()), proc.stdout
