@@ -13,7 +13,7 @@ from kernels import types as T
 from kernels.cpu.qdot import rows16
 from kernels.cpu.qdot.common import NB_PAD, PREFETCH
 from kernels.cpu.simd import (
-    V8F, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, i32, load_as,
+    V8F, Chains, prefetch, V8I, V32B, V8H, array, byte_ptr, c32, c64, call, fma, hsum8, i32, load_as,
     V16F, V16I, VNNI, WIDE, dot4, psign, pshufb, splat, transpose, vconst, vload, vstore,
 )
 
@@ -385,24 +385,26 @@ def _group_dot(builder, ggml_type: int, wmag, w, x4, acc=None):
     return dot4(builder, wmag, x4, acc)
 
 
-def _add_dot(builder, ggml_type: int, dots: list, wmag, w, x4) -> None:
-    """Group k's dots: one per group, or for PER_BLOCK types two running sums that groups take in
-    turn (exact in any order; two, so that each multiply-add need not wait on the last:
-    simd.Chains), which _block_step adds."""
-    if ggml_type in PER_BLOCK and len(dots) == 2:
-        dots.append(_group_dot(builder, ggml_type, wmag, w, x4, dots.pop(0)))
+def _new_dots(builder, ggml_type: int):
+    """A block's dots as _add_dot fills them: a list (one per group), or for PER_BLOCK types the
+    block's one running sum, in simd.Chains (exact in any order)."""
+    return Chains(builder, ir.Constant(V8I, [0] * 8)) if ggml_type in PER_BLOCK else []
+
+
+def _add_dot(builder, ggml_type: int, dots, wmag, w, x4) -> None:
+    """Group k's dot into dots (_new_dots)."""
+    if ggml_type in PER_BLOCK:
+        dots.add(_group_dot, ggml_type, wmag, w, x4)
     else:
         dots.append(_group_dot(builder, ggml_type, wmag, w, x4))
 
 
-
-
 def _block_step(builder, ggml_type: int, dots, sums, scale, accs, mins=None):
-    """One block's float steps for one activation row: dots (8 V8I) of the groups, sums (8 i32): 16 x
+    """One block's float steps for one activation row: dots (_new_dots) of the groups, sums (8 i32): 16 x
     the row's group sums, scale (V8F) d_w * d_x, accs: the row's accumulator pointers (8; 1 for
     PER_BLOCK types; 8 and summs for MINS types), mins (V8F): m_w * s_x's factors (m_w, s_x)."""
-    if ggml_type in PER_BLOCK:                    # dots: the block's whole dot in two parts (_add_dot)
-        tot = builder.add(dots[0], dots[1])
+    if ggml_type in PER_BLOCK:                    # dots: the block's running sum (_new_dots)
+        tot = dots.total()
         if ggml_type == T.Q4_0:                  # 8 x the block's sum of x = (16 x its group sums) / 2
             s = sums[0]
             for v in sums[1:]:
@@ -460,7 +462,7 @@ def _q0_x8_kernel(ggml_type: int):
                 blk = _X8Block(builder, ggml_type, p)
                 scale = builder.fmul(blk.scales(), splat(builder, builder.load(builder.gep(drow, [b])), V8F))
                 xb = builder.gep(xrow, [builder.mul(b, c64(32))])
-                dots, sums = [], []
+                dots, sums = _new_dots(builder, ggml_type), []
                 for k in range(8):
                     x4 = builder.bitcast(splat(builder, load_as(builder, xb, i32, 4 * k), V8I), V32B)
                     w = blk.group(k)
@@ -532,7 +534,7 @@ def _q0_x8_multi_kernel(ggml_type: int):
                     dxm = builder.load(builder.gep(da.data, [builder.add(builder.mul(m, nb), b)]))
                     scale = builder.fmul(d8, splat(builder, dxm, V8F))                 # d_w * d_x per weight row
                     srow = builder.gep(sa.data, [builder.add(builder.mul(m, builder.mul(nb, c64(8))), builder.mul(b, c64(8)))])
-                    dots, sums = [], []
+                    dots, sums = _new_dots(builder, ggml_type), []
                     for k in range(8):
                         x4 = builder.bitcast(splat(builder, load_as(builder, xb, i32, 4 * k), V8I), V32B)
                         wmag = builder.load(builder.gep(mbuf, [c32(0), c32(k)]))
