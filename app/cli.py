@@ -12,9 +12,7 @@ import signal
 import sys
 import threading
 
-from core.paths import use_numba_cache
-
-use_numba_cache()  # before anything imports numba
+import core  # noqa: F401  (first, before anything imports numba: it sets numba's compile cache)
 
 from models.errors import BadInputError  # noqa: E402
 from app.args import (FORMAT_OPTIONS, add_kv_disk_args, add_sampling_args, kv_disk_from_args, sampling_from_args,  # noqa: E402

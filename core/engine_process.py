@@ -97,9 +97,7 @@ def main() -> None:
     def progress(stage: str, done: int, total: int) -> None:
         send(("progress", stage, done, total))
 
-    from core.paths import use_numba_cache
-    use_numba_cache()          # (inherited from the parent when it set it)
-    from core.engine import Engine
+    from core.engine import Engine             # (importing core set numba's compile cache)
     try:
         engine = Engine(**kwargs, progress=progress, backend_progress=progress)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it

@@ -17,10 +17,8 @@ os.environ["KVCHAT_DATA_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-data-")
 # off unless a test turns it on (tests/engine/test_kv_disk.py, with a folder of its own).
 os.environ["KVCHAT_KV_DIR"] = tempfile.mkdtemp(prefix="kvchat-test-kv-")
 os.environ["KVCHAT_KV_DISK"] = "off"
-from core.paths import use_numba_cache  # noqa: E402
-from core.engine import cuda_available  # noqa: E402
+from core.engine import cuda_available  # noqa: E402  (importing core sets numba's compile cache)
 
-use_numba_cache()
 # Without a GPU, Triton runs in its interpreter for the whole test process (as the torch engine sets
 # it for --device cpu), before any test imports triton: else whichever test imports it first (through
 # transformers, say) decides, and the torch engine's CPU tests depend on the order tests run in.
