@@ -90,7 +90,9 @@ class TorchBackend(PagedBackend):
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, n_ctx: int, device: str = "cpu",
                  block_size: int = DEFAULT_BLOCK_SIZE, progress: Progress | None = None,
-                 n_blocks: int | None = None):
+                 n_blocks: int | None = None, float16: bool | None = None):
+        """float16: the GPU's float16 weights and products on any device (None: on CUDA only;
+        models.torch_decoder.TorchDecoder)."""
         check_device(device)
         # read before the load: a bad KVCHAT_CUDA_GRAPHS costs no wait
         graphs_on = env_choice("KVCHAT_CUDA_GRAPHS", ("0", "1"), "1") == "1" and device == "cuda"
@@ -105,7 +107,7 @@ class TorchBackend(PagedBackend):
         cfg = load_config(gguf, n_ctx)
         if cfg.n_vocab != tokenizer.n_vocab:
             raise BadInputError(f"the model has {cfg.n_vocab} token rows, the vocabulary {tokenizer.n_vocab}")
-        self.model = TorchDecoder(cfg, gguf, self.torch_device, progress)
+        self.model = TorchDecoder(cfg, gguf, self.torch_device, progress, float16)
         self.block_size = block_size
         self.cache = self.new_cache(n_blocks)
         self.seq = self.cache.new_sequence()

@@ -79,14 +79,16 @@ class TorchMatrix:
     the type (quantized), else a dequantized copy (dense)."""
 
     def __init__(self, raw: np.ndarray, ggml_type: int, n_rows: int, n_cols: int, device: torch.device,
-                 dtype: torch.dtype, scratch: Scratch, interpreted_gemv: bool = True):
+                 dtype: torch.dtype, scratch: Scratch, interpreted_gemv: bool = True, dense: bool = False):
         """interpreted_gemv: whether a small matrix on the CPU device stays quantized (the Triton
-        kernels in the interpreter); an expert does not: a layer calls three per routed expert."""
+        kernels in the interpreter); an expert does not: a layer calls three per routed expert.
+        dense: a dequantized copy whatever the type (a router, in float32: llama.cpp routes in
+        float32, and a float16 router's rounding can swap two experts of near probability)."""
         self.ggml_type, self.n_rows, self.n_cols = int(ggml_type), int(n_rows), int(n_cols)
         self.dtype, self.scratch = dtype, scratch
         self.quantized = self.dense = None
         small = interpreted_gemv and n_rows * n_cols <= INTERPRETED_GEMV_MAX_WEIGHTS
-        if self.ggml_type in GEMV_TYPES and (device.type == "cuda" or small):
+        if self.ggml_type in GEMV_TYPES and (device.type == "cuda" or small) and not dense:
             blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_rows, -1)
             self.quantized = torch.from_numpy(blocks.copy()).to(device)          # (N, row bytes) uint8
         else:
@@ -101,9 +103,13 @@ class TorchMatrix:
         else:
             w = dequantize_rows(self.quantized, self.ggml_type, self.n_cols, dtype=self.dtype,
                                 out=self.scratch.matrix(self.n_rows, self.n_cols))
-        if w.dtype == torch.float16:     # (CUDA) float32 out: a float16 product overflows past 65504
+        if w.dtype == torch.float16:     # float32 out: a float16 product overflows past 65504
             x16, scale = fp16_rows(x)
-            return torch.mm(x16, w.T, out_dtype=torch.float32) * scale
+            if w.is_cuda:
+                return torch.mm(x16, w.T, out_dtype=torch.float32) * scale
+            # the CPU has no float16 mm with float32 out: the same exact products of float16
+            # values, summed in float32 (cuBLAS sums them in another order)
+            return (x16.float() @ w.float().T) * scale
         return (x.to(w.dtype) @ w.T).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -160,16 +166,21 @@ class TorchLayer:
 class TorchDecoder:
     """Token embedding -> n_layer layers -> final norm -> output projection, on one torch device."""
 
-    def __init__(self, cfg: DecoderConfig, g: GGUFFile, device: torch.device, progress=None):
+    def __init__(self, cfg: DecoderConfig, g: GGUFFile, device: torch.device, progress=None,
+                 float16: bool | None = None):
+        """float16: dense and dequantized weights in float16, and prompts' products on float16
+        rows, as on CUDA (None: on CUDA only). On the CPU it gives a GPU run's roundings, the
+        reference a GPU test compares with."""
         self.cfg, self.device = cfg, device
-        self.dtype = torch.float16 if device.type == "cuda" else torch.float32
+        self.dtype = torch.float16 if (device.type == "cuda" if float16 is None else float16) else torch.float32
         data = {t.name: t.data for t in g.reader.tensors}
         self.scratch = Scratch()
 
-        def matrix(name: str) -> TorchMatrix:
+        def matrix(name: str, dtype: torch.dtype | None = None) -> TorchMatrix:
+            """dtype: a dense copy of this dtype (the router's float32), else the engine's choice."""
             info = g.tensors[name]
             return TorchMatrix(data[name], info.ggml_type, int(np.prod(info.shape[1:])), info.shape[0], device,
-                               self.dtype, self.scratch)
+                               dtype or self.dtype, self.scratch, dense=dtype is not None)
 
         def experts(name: str) -> list[TorchMatrix]:
             info = g.tensors[name]                        # ggml (K, N, E): E matrices of N rows of K
@@ -203,7 +214,7 @@ class TorchDecoder:
                 None if moe else matrix(p + "ffn_down.weight"),
                 vector(p + "post_ffw_norm.weight") if cfg.post_norms else None,
                 cfg.layer_window[il], cfg.layer_rope[il],
-                matrix(p + "ffn_gate_inp.weight") if moe else None,
+                matrix(p + "ffn_gate_inp.weight", torch.float32) if moe else None,
                 tuple(experts(p + f"ffn_{n}_exps.weight") for n in ("gate", "up", "down")) if moe else ()))
             if progress:
                 progress("loading weights", il + 1, cfg.n_layer)
