@@ -23,7 +23,10 @@ SHAPES = [(Q8_0, 1536, 1536), (Q4_K, 1536, 1536), (Q4_K, 256, 1536), (Q4_K, 8960
 # too (Q8_0 always takes it, so its rows are all per column)
 TILES = [(0, 0, 0, False), (1, 256, 1, False), (1, 256, 2, False), (1, 512, 1, False), (1, 512, 2, False),
          (1, 1024, 4, False), (2, 256, 2, False), (2, 512, 4, False), (4, 256, 4, False), (4, 512, 4, False),
-         (8, 256, 4, False), (1, 256, 1, True), (1, 512, 2, True)]
+         (8, 256, 4, False), (1, 256, 1, True), (1, 512, 2, True),
+         # more bytes in flight per program: four or eight K-quant blocks a step, two or four rows
+         (1, 1024, 1, False), (1, 1024, 2, False), (1, 2048, 2, False), (2, 512, 1, False), (2, 512, 2, False),
+         (2, 1024, 2, False), (4, 512, 2, False)]
 
 
 def random_blocks(t: int, n: int, k: int) -> torch.Tensor:
