@@ -22,7 +22,8 @@
 # the background, niced on 4 workers beside the kernels' tests and the sweep; the profile and the
 # bench wait for them, and run alone. Each step's time limit in seconds: KERNEL_S, SWEEP_S,
 # BENCH_S (each twin; BENCH_R repeats), TEST_S; a limit of 0 skips the step (a second call that
-# reruns part of it). ENGINE_N: the engine tests' workers.
+# reruns part of it). ENGINE_N: the engine tests' workers. A pytest step at its limit gets SIGINT
+# first, so it still prints why its failed tests failed.
 #
 # python3 is the Python that has kvchat's dependencies (put a venv's bin first on PATH). Where
 # kvchat is not installed (a bare image with torch and Triton), PYTHONPATH must reach this tree and
@@ -48,7 +49,7 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")                 
 engine_workers=${workers:+-n ${ENGINE_N:-4}}
 # the engine's tests, in the background: on the GPU against the native engine, CUDA graphs against
 # eager steps, running out of GPU memory, no CUDA, and bench on the GPU
-[ "${TEST_S:-300}" != 0 ] && ( nice -n 19 timeout "${TEST_S:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -W ignore $per_test $engine_workers \
+[ "${TEST_S:-300}" != 0 ] && ( nice -n 19 timeout -s INT -k 30 "${TEST_S:-300}" python3 -m pytest -p no:cacheprovider -v -rfE -W ignore $per_test $engine_workers \
   tests/cli/test_bench_gpu.py \
   tests/engine/test_torch_backend.py::test_cuda_engine_matches_its_cpu_run \
   tests/engine/test_torch_backend.py::test_cuda_graph_decode_equals_eager \
@@ -58,7 +59,7 @@ engine_workers=${workers:+-n ${ENGINE_N:-4}}
 engine=$!
 # the kernels' tests first: the Triton kernels compiled for this GPU, against their references
 if [ "${KERNEL_S:-150}" != 0 ]; then
-  timeout "${KERNEL_S:-150}" python3 -m pytest -p no:cacheprovider -v -rfE -W ignore $per_test $workers \
+  timeout -s INT -k 30 "${KERNEL_S:-150}" python3 -m pytest -p no:cacheprovider -v -rfE -W ignore $per_test $workers \
     tests/kernels/test_cuda_kernels.py > "$out/pytest-kernels.log" 2>&1
   echo "pytest exit $?" >> "$out/pytest-kernels.log"
   grep -E "FAILED|ERROR|passed|failed|pytest exit" "$out/pytest-kernels.log" | tail -30
