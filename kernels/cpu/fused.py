@@ -327,8 +327,10 @@ def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs):
 
 def stack(items: list):
     """The layers' items (LayerWeights, cache arrays, RowBuffers) as one numba list for `layers`, or
-    None where numba cannot hold them in one list (items of different numba types)."""
-    kinds = {typeof(item) for item in items}
+    None where numba cannot hold them in one list (items of different numba types). Each distinct
+    object is typed once: the layers of one shape share one RowBuffers, and typing one costs about
+    a millisecond, which a prompt's pass (new buffers each time) would pay per layer."""
+    kinds = {typeof(item) for item in {id(item): item for item in items}.values()}
     if len(kinds) != 1:
         return None
     out = typed.List.empty_list(kinds.pop())
