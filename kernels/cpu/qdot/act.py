@@ -4,28 +4,120 @@ K-quants), with the sums the kernels' offsets need."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from kernels.cpu.ops import f16_bits, f16_value, f32_bits, f32_of_bits, serial_twin
+from kernels.cpu.simd import V16F, V16I, array, byte_ptr, call, i32, splat, vconst, vload, vstore
 from kernels.types import ACT_BF16, ACT_F16
 
+_V16B = ir.VectorType(ir.IntType(8), 16)
+
+
+def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
+    """kern(x, o, scale, q, sums, s0): q[o:o+N] = rint(x[o:o+N] * scale) as int8 (at most 127 with
+    CLAMP), and sums[s0 + k] = the sum of its k-th group of G values (in sums' integer type). The
+    rounding is half to even for |v| < 2^22, as _mm256_round_ps / nearest_int do: adding and taking
+    away 1.5 * 2^23 rounds the float32 sum (no fast-math flags, so both additions stay).
+
+    Why an intrinsic: numba's LLVM pipeline unrolls a 32-element loop completely and then leaves it
+    scalar (one conversion per element); written as 16-lane vectors, the multiply, the round-half-even
+    by adding and taking away 1.5 * 2^23, and the conversion are the same IEEE operations on every
+    lane, so the same integers as the scalar loop."""
+
+    def kern(typingctx, x, o, scale, q, sums, s0):
+        if any(a.layout != "C" for a in (x, q, sums)):
+            return None                 # rows read and written as contiguous runs
+        sig = types.void(x, o, scale, q, sums, s0)
+        sum_ty = ir.IntType(sums.dtype.bitwidth)
+
+        def codegen(context, builder, signature, args):
+            xa, qa, sa = (array(context, builder, signature.args[k], args[k]) for k in (0, 3, 4))
+            xp = builder.gep(xa.data, [args[1]])
+            qp = builder.gep(byte_ptr(builder, qa.data), [args[1]])
+            sp = builder.gep(sa.data, [args[5]])
+            sv = splat(builder, args[2], V16F)
+            magic = vconst(V16F, 12582912.0)
+            undef = ir.Constant(V16I, ir.Undefined)
+            for c in range(N // 16):
+                v = builder.fmul(vload(builder, builder.gep(xp, [ir.Constant(ir.IntType(64), 16 * c)]), V16F), sv)
+                qi = builder.fptosi(builder.fsub(builder.fadd(v, magic), magic), V16I)        # (16,) int32
+                if CLAMP:
+                    qi = builder.select(builder.icmp_signed(">", qi, vconst(V16I, 127)), vconst(V16I, 127), qi)
+                vstore(builder, builder.trunc(qi, _V16B), builder.gep(qp, [ir.Constant(ir.IntType(64), 16 * c)]))
+                for k in range(16 // G):
+                    group = builder.shuffle_vector(qi, undef, ir.Constant(ir.VectorType(i32, G), list(range(k * G, k * G + G))))
+                    total = call(builder, f"llvm.vector.reduce.add.v{G}i32", i32, [group])
+                    at = builder.gep(sp, [ir.Constant(ir.IntType(64), c * (16 // G) + k)])
+                    builder.store(builder.trunc(total, sum_ty) if sum_ty.width < 32 else total, at)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    kern.__name__ = f"rint_scaled_{N}_{G}{'_clamped' if CLAMP else ''}"
+    return intrinsic(kern)
+
+
+_rint_q8_0 = _rint_scaled_kernel(32, 4, False)      # a q8_0 block and its 4-element sums
+_rint_q8_k = _rint_scaled_kernel(256, 16, True)     # a q8_K super-block and its 16-element sums
+
+
+def _chunks(builder, x, o, N: int):
+    """The N float32 at x[o:] as 16-lane vectors."""
+    xp = builder.gep(x.data, [o])
+    return [vload(builder, builder.gep(xp, [ir.Constant(ir.IntType(64), 16 * c)]), V16F) for c in range(N // 16)]
+
+
+def _absmax_kernel(N: int):
+    """kern(x, o) -> max |x[o:o+N]| (float32; exact in any order, and activations hold no NaN).
+    numba leaves its own max loop scalar (its max of floats checks for NaN on every step)."""
+
+    def kern(typingctx, x, o):
+        if x.layout != "C":
+            return None
+
+        def codegen(context, builder, signature, args):
+            xa = array(context, builder, signature.args[0], args[0])
+            vs = [call(builder, "llvm.fabs.v16f32", V16F, [v]) for v in _chunks(builder, xa, args[1], N)]
+            while len(vs) > 1:
+                vs = [call(builder, "llvm.maxnum.v16f32", V16F, [a, b]) for a, b in zip(vs[::2], vs[1::2])]
+            return call(builder, "llvm.vector.reduce.fmax.v16f32", ir.FloatType(), [vs[0]])
+
+        return types.float32(x, o), codegen
+
+    kern.__name__ = f"absmax_{N}"
+    return intrinsic(kern)
+
+
+def _signs_kernel(N: int):
+    """kern(x, o, v) -> (1 if x[o:o+N] holds v) + (2 if it holds -v)."""
+
+    def kern(typingctx, x, o, v):
+        if x.layout != "C":
+            return None
+
+        def codegen(context, builder, signature, args):
+            xa = array(context, builder, signature.args[0], args[0])
+            pos, neg = splat(builder, args[2], V16F), splat(builder, builder.fneg(args[2]), V16F)
+            hit_p = hit_n = None
+            for v in _chunks(builder, xa, args[1], N):
+                p, n = builder.fcmp_ordered("==", v, pos), builder.fcmp_ordered("==", v, neg)
+                hit_p = p if hit_p is None else builder.or_(hit_p, p)
+                hit_n = n if hit_n is None else builder.or_(hit_n, n)
+            any_p = builder.zext(call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), [hit_p]), i32)
+            any_n = builder.zext(call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), [hit_n]), i32)
+            return builder.add(any_p, builder.shl(any_n, ir.Constant(i32, 1)))
+
+        return types.int32(x, o, v), codegen
+
+    kern.__name__ = f"signs_{N}"
+    return intrinsic(kern)
+
+
+_absmax_32, _absmax_256, _signs_256 = _absmax_kernel(32), _absmax_kernel(256), _signs_kernel(256)
+
 # --- activation rows, quantized as llama.cpp's matmul quantizes them ------------------------------
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _rint_small(v):
-    """Round half to even for |v| < 2**22, as _mm256_round_ps / nearest_int do (adding and taking
-    away 1.5 * 2**23 rounds the float32 sum; no libm call, so the loops vectorize). Callers are
-    compiled without fastmath, so the two additions stay."""
-    return (v + np.float32(12582912.0)) - np.float32(12582912.0)
-
-
-@njit(fastmath=True, cache=True, error_model="numpy")
-def _absmax(x, m, lo, n):
-    """max |x[m, lo:lo+n]|: the same in any order (activations hold no NaN)."""
-    a = np.float32(0.0)
-    for i in range(lo, lo + n):
-        a = max(a, abs(x[m, i]))
-    return a
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -34,20 +126,34 @@ def _quantize_q8_0(x, xq, dx, sx, s1):
     sx: 16 x the sum of every 4 q (the unsigned types' offset); s1: quantize_row_q8_1's s, f16(d x
     the block's sum of q) with d before its rounding to f16 (the Q4_1 / Q5_1 minimums)."""
     for m in prange(x.shape[0]):
+        xr, qr, sr = x[m], xq[m], sx[m]
         for b in range(dx.shape[1]):
-            amax = _absmax(x, m, b * 32, 32)
+            amax = _absmax_32(xr, b * 32)
             idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for i in range(32):
-                xq[m, b * 32 + i] = np.int32(_rint_small(x[m, b * 32 + i] * idv))
+            _rint_q8_0(xr, b * 32, idv, qr, sr, b * 8)          # q, and the 4-element sums into sx
             d = amax / np.float32(127.0)
             dx[m, b] = f16_value(f16_bits(d))
             tot = np.int32(0)
             for k in range(8):
-                i = b * 32 + 4 * k
-                g = np.int32(xq[m, i]) + np.int32(xq[m, i + 1]) + np.int32(xq[m, i + 2]) + np.int32(xq[m, i + 3])
-                sx[m, b * 8 + k] = 16 * g
+                g = sr[b * 8 + k]
+                sr[b * 8 + k] = 16 * g
                 tot += g
             s1[m, b] = f16_value(f16_bits(d * np.float32(tot)))
+
+
+@njit(cache=True, error_model="numpy")
+def _first_largest(xr, lo):
+    """The first of xr[lo:lo+256] of the largest magnitude, as quantize_row_q8_K_ref's scan finds it
+    (a zero where all are zero). The magnitude and which signs reach it are vector reductions;
+    only a super-block holding both +amax and -amax scans for the first."""
+    amax = _absmax_256(xr, lo)
+    signs = _signs_256(xr, lo, amax)
+    if signs == 1 or signs == 2:
+        return amax if signs == 1 else -amax
+    for i in range(lo, lo + 256):
+        if abs(xr[i]) == amax:
+            return xr[i]
+    return np.float32(0.0)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -57,28 +163,12 @@ def _quantize_q8_k(x, xq, dx, bs16, bsp):
     sums of q. (The 4-row quantizer of the Q4_K gemm breaks +-vmax ties the other way; that flips the
     signs of q and d together and leaves every product unchanged.)"""
     for m in prange(x.shape[0]):
+        xr, qr, sr = x[m], xq[m], bs16[m]
         for b in range(dx.shape[1]):
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for i in range(256):
-                v = x[m, b * 256 + i]
-                if abs(v) > amax:
-                    amax = abs(v)
-                    vmax = v
-            if amax == 0:
-                dx[m, b] = 0.0
-                for i in range(256):
-                    xq[m, b * 256 + i] = 0
-            else:
-                iscale = np.float32(-127.0) / vmax
-                for i in range(256):
-                    xq[m, b * 256 + i] = min(127, np.int32(_rint_small(iscale * x[m, b * 256 + i])))
-                dx[m, b] = np.float32(1.0) / iscale
-            for j in range(16):
-                s = np.int32(0)
-                for i in range(16):
-                    s += np.int32(xq[m, b * 256 + 16 * j + i])
-                bs16[m, b * 16 + j] = s
+            vmax = _first_largest(xr, b * 256)
+            iscale = np.float32(-127.0) / vmax if vmax != 0 else np.float32(0.0)     # all zeros: q 0, d 0
+            _rint_q8_k(xr, b * 256, iscale, qr, sr, b * 16)     # q, and the 16-element sums into bs16
+            dx[m, b] = np.float32(1.0) / iscale if vmax != 0 else np.float32(0.0)
             for c in range(4):                  # per 64 elements the two 32-sums as two int16 (Q4_K)
                 lo = np.int32(bs16[m, b * 16 + 4 * c]) + np.int32(bs16[m, b * 16 + 4 * c + 1])
                 hi = np.int32(bs16[m, b * 16 + 4 * c + 2]) + np.int32(bs16[m, b * 16 + 4 * c + 3])
