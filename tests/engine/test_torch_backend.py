@@ -52,11 +52,11 @@ def engines(tiny_model, arch: str, qtype: str, *rope) -> tuple[TorchBackend, Nat
     return TorchBackend(g, tok, 128, "cpu"), native
 
 
-def close(a: np.ndarray, ref: np.ndarray, tol: float = TOL) -> None:
-    """Within tol of the largest |logit|, and the same top-1 wherever ref's top-2 margin exceeds
+def close(a: np.ndarray, ref: np.ndarray) -> None:
+    """Within TOL of the largest |logit|, and the same top-1 wherever ref's top-2 margin exceeds
     that bound (random weights make near-ties that no two float orders rank alike)."""
     assert a.shape == ref.shape
-    bound = tol * np.abs(ref).max()
+    bound = TOL * np.abs(ref).max()
     assert np.abs(a - ref).max() <= bound, np.abs(a - ref).max()
     top2 = np.sort(ref.reshape(-1, ref.shape[-1]), -1)[:, -2:]
     decisive = top2[:, 1] - top2[:, 0] > bound
@@ -311,14 +311,6 @@ be = TorchBackend(g, Tokenizer.from_gguf(g), 128, "cuda")
 np.save(out, be.logits_all(ids))
 be.close()
 """
-# The GPU run against its CPU run with the same float16 roundings: they differ in the order of
-# float32 sums and in the GPU's approximate exp2 and sqrt, each a few units of 2^-24, but these
-# random models magnify such a change: where it moves a value across a float16 rounding boundary,
-# the next product sees a change of 2^-11. On the CPU, summing the float16 products in float64
-# instead of float32 moved the logits by up to 1.6e-3 of the largest (smollm3 with YaRN; the
-# float16 rounding itself moved them by up to 1.3e-2 against the native engine). So TOL: six
-# times that, and a wrong kernel is off by the logits' own size.
-GPU_TOL = TOL
 
 
 GPU = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
@@ -337,15 +329,21 @@ def on_gpu(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("arch,qtype,rope", ALL_CASES)
 def test_cuda_engine_matches_its_cpu_run(tiny_model, tmp_path, arch, qtype, rope):
     """The engine on the GPU (compiled Triton kernels, cuBLAS) against the same engine on the CPU
-    in Triton's interpreter with the GPU's float16 roundings (float16=True), within GPU_TOL: every
-    architecture/type case, and every rope scaling on Q8_0. The 40-token prompt takes the float16
-    matrix products (more than GEMV_MAX_ROWS rows); the CPU tests above hold the float32 run to the
-    native engine."""
+    in Triton's interpreter with the GPU's float16 roundings (float16=True): every architecture/type
+    case, and every rope scaling on Q8_0. The 40-token prompt takes the float16 matrix products
+    (more than GEMV_MAX_ROWS rows); the CPU tests above hold the float32 run to the native engine.
+
+    Within TOL: the two runs differ in the order of float32 sums and in the GPU's approximate exp2
+    and sqrt, a few units of 2^-24 each, but these random models magnify such a change where it
+    moves a value across a float16 rounding boundary (the next product then sees 2^-11). On the
+    CPU, summing the float16 products in float64 instead of float32 moved the logits by up to
+    1.6e-3 of the largest (smollm3 with YaRN), a sixth of TOL; a wrong kernel is off by the logits'
+    own size."""
     g, tok = tiny_model(arch, qtype, *rope)
     on_gpu(GPU_LOGITS, str(tmp_path / "cuda.npy"), ",".join(map(str, IDS)), str(g.path))
     got = np.load(tmp_path / "cuda.npy")
     assert np.isfinite(got).all()
-    close(got, TorchBackend(g, tok, 128, "cpu", float16=True).logits_all(IDS), GPU_TOL)
+    close(got, TorchBackend(g, tok, 128, "cpu", float16=True).logits_all(IDS))
 
 
 @GPU

@@ -22,8 +22,7 @@ def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
     away 1.5 * 2^23 rounds the float32 sum (no fast-math flags, so both additions stay).
 
     Why an intrinsic: numba's LLVM pipeline unrolls a 32-element loop completely and then leaves it
-    scalar (one conversion per element); written as 16-lane vectors, the multiply, the round-half-even
-    by adding and taking away 1.5 * 2^23, and the conversion are the same IEEE operations on every
+    scalar (one conversion per element); as 16-lane vectors the same IEEE operations run on every
     lane, so the same integers as the scalar loop."""
 
     def kern(typingctx, x, o, scale, q, sums, s0):
