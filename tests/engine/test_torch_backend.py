@@ -299,15 +299,15 @@ def test_float16_prompts_stay_finite(tiny_model, arch, qtype, rope):
     assert np.isfinite(TorchBackend(g, tok, 128, "cpu", float16=True).logits_all(IDS)).all()
 
 
-# logits_all of the torch engine on the GPU: argv out.npy, ids, path
-GPU_LOGITS = """
+# logits_all of the torch engine: argv out.npy, ids, path, device (cpu: with the GPU's float16 roundings)
+LOGITS = """
 import sys, numpy as np
 from core.tokenizer import Tokenizer
 from core.torch_backend import TorchBackend
 from models.gguf_file import open_model
-out, ids, path = sys.argv[1], [int(i) for i in sys.argv[2].split(",")], sys.argv[3]
+out, ids, path, device = sys.argv[1], [int(i) for i in sys.argv[2].split(",")], sys.argv[3], sys.argv[4]
 g = open_model(path)
-be = TorchBackend(g, Tokenizer.from_gguf(g), 128, "cuda")
+be = TorchBackend(g, Tokenizer.from_gguf(g), 128, device, float16=True if device == "cpu" else None)
 np.save(out, be.logits_all(ids))
 be.close()
 """
@@ -316,10 +316,14 @@ be.close()
 GPU = pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def on_gpu(script: str, *args: str) -> subprocess.CompletedProcess:
-    """A GPU check in its own process: this one has Triton in its interpreter for the CPU tests (and
-    TRITON_INTERPRET=1 in its environment, which the child must not inherit)."""
+def on_device(device: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    """A check in its own process, on the GPU (compiled Triton kernels: the child must not inherit
+    this process's TRITON_INTERPRET=1, where the CPU tests set it) or on the CPU in Triton's
+    interpreter (on a GPU machine this process compiles Triton for the GPU, so the interpreted run
+    gets a process of its own too)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -339,11 +343,13 @@ def test_cuda_engine_matches_its_cpu_run(tiny_model, tmp_path, arch, qtype, rope
     CPU, summing the float16 products in float64 instead of float32 moved the logits by up to
     1.6e-3 of the largest (smollm3 with YaRN), a sixth of TOL; a wrong kernel is off by the logits'
     own size."""
-    g, tok = tiny_model(arch, qtype, *rope)
-    on_gpu(GPU_LOGITS, str(tmp_path / "cuda.npy"), ",".join(map(str, IDS)), str(g.path))
-    got = np.load(tmp_path / "cuda.npy")
-    assert np.isfinite(got).all()
-    close(got, TorchBackend(g, tok, 128, "cpu", float16=True).logits_all(IDS))
+    g, _ = tiny_model(arch, qtype, *rope)
+    got = {}
+    for device in ("cuda", "cpu"):
+        on_device(device, LOGITS, str(tmp_path / f"{device}.npy"), ",".join(map(str, IDS)), str(g.path), device)
+        got[device] = np.load(tmp_path / f"{device}.npy")
+    assert np.isfinite(got["cuda"]).all()
+    close(got["cuda"], got["cpu"])
 
 
 @GPU
@@ -356,7 +362,7 @@ def test_cuda_graph_decode_equals_eager(tiny_model):
     exceeds that. (Here every sequence has one split either way; on an H200 the batch-1 steps came
     out identical, and the batch-3 step showed the NaN that fp16_rows fixed.)"""
     g, _ = tiny_model("qwen2", "Q4_K")
-    proc = on_gpu("""
+    proc = on_device("cuda", """
 import sys, numpy as np
 from core.tokenizer import Tokenizer
 from core.torch_backend import TorchBackend
@@ -394,7 +400,7 @@ def test_out_of_gpu_memory_is_one_line_and_auto_falls_back_to_the_cpu(tiny_model
     """With the process allowed almost no GPU memory, loading runs out of it: --device auto says so
     on stderr and runs the CPU engine; --device cuda is a BadInputError (exit 2)."""
     g, _ = tiny_model("qwen2", "Q8_0")
-    proc = on_gpu("""
+    proc = on_device("cuda", """
 import sys, torch
 torch.cuda.set_per_process_memory_fraction(1e-6)
 from core.engine import Engine
