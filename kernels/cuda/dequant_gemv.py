@@ -38,7 +38,7 @@ QK = {t: (TRAITS[t].block, TRAITS[t].size) for t in GEMV_TYPES}   # (elements, b
 _Q8_0, _Q5_0, _Q4_K, _Q6_K = tl.constexpr(Q8_0), tl.constexpr(Q5_0), tl.constexpr(Q4_K), tl.constexpr(Q6_K)
 SUPPORTED = tuple(QK)
 BLOCKWISE = (Q4_K, Q6_K)    # the types _gemv_blocks_kernel reads; Q8_0 and Q5_0 take the per-column kernel
-GEMV_FEW_ROWS = 512    # the per-column kernel reads a matrix of at most this many rows in wider tiles
+GEMV_FEW_ROWS = 512    # a matrix of at most this many rows is read in wider tiles (both kernels)
 GEMV_TALL_Q4_K = 4096  # a Q4_K matrix of at least this many rows: two rows a program (block-wise)
 
 
@@ -247,8 +247,9 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
     and Q5_0 (or per_column=True) the per-column one. The GPU's tiles come from sweeps of tile
     shapes on an H200 over the 1.5B registry model's decode shapes (README, "The GPU engine";
     tests/gpu_gemv_sweep.py reruns it): one row per program, on one warp, two K-quant blocks a step
-    (two rows for a tall Q4_K matrix, GEMV_TALL_Q4_K: an FFN's gate and up); Q8_0 per column 512
-    columns a step on two warps. The interpreter, which pays per operation and
+    (two rows for a tall Q4_K matrix, GEMV_TALL_Q4_K: an FFN's gate and up; eight blocks on two
+    warps for a matrix of few rows, GEMV_FEW_ROWS: k and v, where 256 programs leave most of the
+    card idle and a step's latency is what counts); Q8_0 per column 512 columns a step on two warps. The interpreter, which pays per operation and
     not per element, takes few programs with big tiles. Any tile gives the same products up to the
     order of the fp32 sums.
     """
@@ -272,8 +273,9 @@ def dequant_gemv(w_raw: torch.Tensor, ggml_type: int, n_cols: int, x: torch.Tens
             block_r, block_k, num_warps = (block_r or min(64, triton.next_power_of_2(N)),
                                            block_k or min(2048, triton.next_power_of_2(n_cols)), num_warps or 4)
         else:
-            tall = ggml_type == Q4_K and N >= GEMV_TALL_Q4_K
-            block_r, block_k, num_warps = block_r or (2 if tall else 1), block_k or 2 * per, num_warps or 1
+            tall, few = ggml_type == Q4_K and N >= GEMV_TALL_Q4_K, N <= GEMV_FEW_ROWS
+            block_r, block_k, num_warps = (block_r or (2 if tall else 1), block_k or (8 if few else 2) * per,
+                                           num_warps or (2 if few else 1))
         if block_k % per or (block_k // per) & (block_k // per - 1):
             raise ValueError(f"block_k {block_k} must be a power-of-two number of {per}-column blocks")
         _gemv_blocks_kernel[(triton.cdiv(N, block_r), M)](
