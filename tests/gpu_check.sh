@@ -13,6 +13,11 @@
 # PYTHONPATH=/tmp/site:$PWD (kvchat's CLI imports all of them: the serve command's parser too):
 #   gguf platformdirs textual mdit-py-plugins pytest-asyncio pytest-textual-snapshot syrupy
 #   starlette sse-starlette uvicorn sniffio
+# The device call of 2026-11-28 (carry .whl and .gpu, both in .git/info/exclude):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
+#   PROFILE=none KERNEL_S=100 SWEEP_S=150 BENCH_S=75 BENCH_R=2 TEST_S=300 timeout 560 bash tests/gpu_check.sh .gpu $OUT
+# (all of it takes longer than one 10-minute call: the engine's tests took over 250 s on 8 workers)
 #
 # HEADS holds what `shape_twin head` wrote (NAME.head and NAME.size). It writes, in this order (the
 # quick and the most telling first, as a device lease is short), OUT/pytest-kernels.log,
