@@ -9,10 +9,14 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from kernels.cpu.ops import f16_bits, f16_value, f32_bits, f32_of_bits, serial_twin
-from kernels.cpu.simd import V16F, V16I, array, byte_ptr, call, i32, splat, vconst, vload, vstore
+from kernels.cpu.simd import V16B, V16F, V16I, array, byte_ptr, c64, call, i32, splat, vconst, vload, vstore
 from kernels.types import ACT_BF16, ACT_F16
 
-_V16B = ir.VectorType(ir.IntType(8), 16)
+
+def _chunks(builder, x, o, N: int):
+    """The N float32 at x[o:] as 16-lane vectors."""
+    xp = builder.gep(x.data, [o])
+    return [vload(builder, builder.gep(xp, [c64(16 * c)]), V16F) for c in range(N // 16)]
 
 
 def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
@@ -33,22 +37,21 @@ def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
 
         def codegen(context, builder, signature, args):
             xa, qa, sa = (array(context, builder, signature.args[k], args[k]) for k in (0, 3, 4))
-            xp = builder.gep(xa.data, [args[1]])
             qp = builder.gep(byte_ptr(builder, qa.data), [args[1]])
             sp = builder.gep(sa.data, [args[5]])
             sv = splat(builder, args[2], V16F)
             magic = vconst(V16F, 12582912.0)
             undef = ir.Constant(V16I, ir.Undefined)
-            for c in range(N // 16):
-                v = builder.fmul(vload(builder, builder.gep(xp, [ir.Constant(ir.IntType(64), 16 * c)]), V16F), sv)
+            for c, v in enumerate(_chunks(builder, xa, args[1], N)):
+                v = builder.fmul(v, sv)
                 qi = builder.fptosi(builder.fsub(builder.fadd(v, magic), magic), V16I)        # (16,) int32
                 if CLAMP:
                     qi = builder.select(builder.icmp_signed(">", qi, vconst(V16I, 127)), vconst(V16I, 127), qi)
-                vstore(builder, builder.trunc(qi, _V16B), builder.gep(qp, [ir.Constant(ir.IntType(64), 16 * c)]))
+                vstore(builder, builder.trunc(qi, V16B), builder.gep(qp, [c64(16 * c)]))
                 for k in range(16 // G):
                     group = builder.shuffle_vector(qi, undef, ir.Constant(ir.VectorType(i32, G), list(range(k * G, k * G + G))))
                     total = call(builder, f"llvm.vector.reduce.add.v{G}i32", i32, [group])
-                    at = builder.gep(sp, [ir.Constant(ir.IntType(64), c * (16 // G) + k)])
+                    at = builder.gep(sp, [c64(c * (16 // G) + k)])
                     builder.store(builder.trunc(total, sum_ty) if sum_ty.width < 32 else total, at)
             return context.get_dummy_value()
 
@@ -60,12 +63,6 @@ def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
 
 _rint_q8_0 = _rint_scaled_kernel(32, 4, False)      # a q8_0 block and its 4-element sums
 _rint_q8_k = _rint_scaled_kernel(256, 16, True)     # a q8_K super-block and its 16-element sums
-
-
-def _chunks(builder, x, o, N: int):
-    """The N float32 at x[o:] as 16-lane vectors."""
-    xp = builder.gep(x.data, [o])
-    return [vload(builder, builder.gep(xp, [ir.Constant(ir.IntType(64), 16 * c)]), V16F) for c in range(N // 16)]
 
 
 def _absmax_kernel(N: int):
