@@ -234,7 +234,7 @@ def matmul_row(layout, ggml_type, q, runs, out):
             amx.tiled_prompt(ggml_type, layout, rows16.regroup_bytes(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
         else:
             bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K else NO_SUMS   # only Q2_K's minimums
-            tiled16.prompt(ggml_type, layout, rows16.regroup_pairs(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
+            tiled16.prompt(ggml_type, layout, rows16.regroup_biased(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:

@@ -58,13 +58,12 @@ def store_block(typingctx, block, n, out, row0, col0, M):
     return sig, codegen
 
 
-def _regroup_kernel(widen: bool, biased: bool = False):
-    """kern(xq, g, xg): rows 16g .. 16g+15 of xq (M, K) int8 (those below M) into xg[g]. widen: int16
-    pairs, (K/2, 16, 2) (each row's 32-byte chunk sign-extended, its 16 pairs stored 64 bytes apart);
-    else the bytes, (K4, 16, 4) with K4 >= K/4 dwords, as x + 128 when biased (the unsigned operand of
-    vpdpbusd). A 1 KB block of xg at a time, so its lines stay in L1; a last 32 bytes of a row
-    (K % 64 == 32, bytes only) fill half a block."""
-    unit = 2 if widen else 4                       # elements per dword
+def _regroup_kernel(biased: bool):
+    """kern(xq, g, xg): rows 16g .. 16g+15 of xq (M, K) int8 (those below M) into xg[g], the bytes as
+    (K4, 16, 4) with K4 >= K/4 dwords, as x + 128 when biased (the unsigned operand of vpdpbusd). A
+    1 KB block of xg at a time, so its lines stay in L1; a last 32 bytes of a row (K % 64 == 32) fill
+    half a block."""
+    unit = 4                                       # elements per dword
 
     def kern(typingctx, xq, g, xg):
         sig = types.void(xq, g, xg)
@@ -84,23 +83,20 @@ def _regroup_kernel(widen: bool, biased: bool = False):
                     r = rl.index
                     src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(16)), r), K)])
                     dst = builder.gep(base, [builder.mul(r, c64(4))])
-                    if widen:
-                        v = builder.bitcast(builder.sext(vload(builder, builder.gep(src, [k]), V32B), V32S), V16I)
-                    else:
-                        with builder.if_else(full) as (whole, half):
-                            with whole:
-                                v64 = vload(builder, builder.gep(src, [k]), V64B)
-                                at_whole = builder.block
-                            with half:                     # the row's last 32 bytes, the rest zero
-                                v32 = vload(builder, builder.gep(src, [k]), V32B)
-                                v32 = builder.shuffle_vector(v32, ir.Constant(V32B, [0] * 32), ir.Constant(ir.VectorType(i32, 64), list(range(64))))
-                                at_half = builder.block
-                        v = builder.phi(V64B)
-                        v.add_incoming(v64, at_whole)
-                        v.add_incoming(v32, at_half)
-                        if biased:
-                            v = builder.xor(v, ir.Constant(V64B, [0x80] * 64))
-                        v = builder.bitcast(v, V16I)
+                    with builder.if_else(full) as (whole, half):
+                        with whole:
+                            v64 = vload(builder, builder.gep(src, [k]), V64B)
+                            at_whole = builder.block
+                        with half:                     # the row's last 32 bytes, the rest zero
+                            v32 = vload(builder, builder.gep(src, [k]), V32B)
+                            v32 = builder.shuffle_vector(v32, ir.Constant(V32B, [0] * 32), ir.Constant(ir.VectorType(i32, 64), list(range(64))))
+                            at_half = builder.block
+                    v = builder.phi(V64B)
+                    v.add_incoming(v64, at_whole)
+                    v.add_incoming(v32, at_half)
+                    if biased:
+                        v = builder.xor(v, ir.Constant(V64B, [0x80] * 64))
+                    v = builder.bitcast(v, V16I)
                     for e in range(16):                    # dword k/unit + e -> 64 (k/unit + e) + 4r
                         at = builder.mul(builder.add(builder.sdiv(k, c64(unit)), c64(e)), c64(64))
                         builder.store(builder.extract_element(v, c32(e)),
@@ -109,24 +105,11 @@ def _regroup_kernel(widen: bool, biased: bool = False):
 
         return sig, codegen
 
-    kern.__name__ = f"regroup16_{'pairs' if widen else 'bytes'}{'_biased' if biased else ''}"
+    kern.__name__ = f"regroup16_bytes{'_biased' if biased else ''}"
     return intrinsic(kern)
 
 
-_regroup_pairs, _regroup_bytes, _regroup_biased = _regroup_kernel(True), _regroup_kernel(False), _regroup_kernel(False, True)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def regroup_pairs(xq):
-    """q8_K rows (M, K) -> (G, K/2, 16, 2) int16: rows 16g .. 16g+15 in the lanes, zero padding."""
-    M, K = xq.shape
-    G = -(-M // 16)
-    xg = np.empty((G, K // 2, 16, 2), np.int16)
-    for g in prange(G):
-        if M - 16 * g < 16:
-            xg[g] = 0
-        _regroup_pairs(xq, g, xg)
-    return xg
+_regroup_bytes, _regroup_biased = _regroup_kernel(False), _regroup_kernel(True)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -144,7 +127,7 @@ def regroup_bytes(xq):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def regroup_biased(xq):
-    """q8_0 rows (M, K), K % 32 == 0 -> (G, K4, 16, 4) uint8 x + 128: rows 16g .. 16g+15 in the
+    """q8_0 or q8_K rows (M, K), K % 32 == 0 -> (G, K4, 16, 4) uint8 x + 128: rows 16g .. 16g+15 in the
     lanes, K4 = K/4 rounded up to whole 16-dword blocks (the padding, and rows past M, 128: zero;
     the regroup writes a half block's padding itself)."""
     M, K = xq.shape
