@@ -152,12 +152,12 @@ def test_panel_rows_that_end_in_half_a_register(ggml_type):
 
 
 def test_the_wide_prompt_kernels_are_the_ones_tested():
-    """With 512-bit registers a prompt's Q6_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
+    """With 512-bit registers a prompt's Q6_K, Q5_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
     (kernels/cpu/qdot/tiled16.py, from 16 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
     rows keep the gemv arithmetic) and Q5_0's, Q8_0's, Q4_0's and IQ4_NL's through the 512-bit panel: the exactness tests above
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
-    each variant). The K-quants' 16-row kernels are AMX tile kernels under avx512amx."""
+    each variant). The K-quants' 16-row kernels but Q5_K's are AMX tile kernels under avx512amx."""
     from kernels.cpu import isa
     wide = isa.variant() in ("avx512vnni", "avx512amx")   # the variants with 512-bit registers
     from kernels.cpu.qdot import tiled16
@@ -167,13 +167,13 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     assert wide_gemm_rows(*qdot.run_arrays([(0, 31, True)])) == 0
     assert wide_gemm_rows(*qdot.run_arrays([(0, 53, False)])) == 0
     one_run = lambda n: qdot.run_arrays([(0, n, True)])            # noqa: E731
-    for t in (T.Q6_K, T.Q3_K, T.IQ4_XS, T.Q2_K):
+    for t in (T.Q6_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K):
         assert tiled16.wide(t, 40, *one_run(16)) == wide
         assert not tiled16.wide(t, 40, *one_run(15))
         assert not tiled16.wide(t, 13, *one_run(53))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))
-    assert not tiled16.wide(T.Q5_K, 40, *one_run(53)) and not tiled16.wide(T.Q4_K, 40, *one_run(53))
+    assert not tiled16.wide(T.Q4_K, 40, *one_run(53))
     assert (qdot.panel_prompt.py_func.__name__ == "_panel_prompt_512") == wide
     assert qdot.has_panel(T.Q5_0) and all(qdot.has_panel(t) == wide for t in (T.Q8_0, T.Q4_0, T.IQ4_NL))
     assert not any(qdot.has_panel(t) for t in (T.Q4_1, T.Q5_1))

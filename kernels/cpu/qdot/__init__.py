@@ -230,10 +230,10 @@ def matmul_row(layout, ggml_type, q, runs, out):
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
     elif tiled16.wide(ggml_type, layout.shape[0], run_start, run_len, run_batched):
-        if AMX:
+        if AMX and ggml_type != T.Q5_K:
             amx.tiled_prompt(ggml_type, layout, rows16.regroup_bytes(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
-        else:
-            bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K else NO_SUMS   # only Q2_K's minimums
+        else:                  # Q2_K's and Q5_K's minimums need the 16-element sums
+            bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K or ggml_type == T.Q5_K else NO_SUMS
             tiled16.prompt(ggml_type, layout, rows16.regroup_biased(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)

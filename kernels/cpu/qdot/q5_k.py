@@ -28,6 +28,23 @@ from kernels.cpu.simd import (
 Q5_K_BLOCK = 176
 
 
+def _scales_mins(builder, p):
+    """The 12 scale bytes of the super-block at p as llama.cpp decodes them (utmp): V16B, bytes 0..7
+    the sub-blocks' scales, 8..15 their minimums."""
+    u0, u1, u2 = (load_as(builder, p, i32, 4 + 4 * k) for k in range(3))
+    km1, km2, km3 = (ir.Constant(i32, v) for v in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
+    lsr = lambda v, k: builder.lshr(v, ir.Constant(i32, k))       # noqa: E731
+    lsl = lambda v, k: builder.shl(v, ir.Constant(i32, k))        # noqa: E731
+    t3 = builder.or_(builder.and_(lsr(u2, 4), km2), lsl(builder.and_(lsr(u1, 6), km3), 4))
+    t2 = builder.and_(u1, km1)
+    t1 = builder.or_(builder.and_(u2, km2), lsl(builder.and_(lsr(u0, 6), km3), 4))
+    t0 = builder.and_(u0, km1)
+    utmp = ir.Constant(ir.VectorType(i32, 4), ir.Undefined)
+    for k, t in enumerate((t0, t1, t2, t3)):
+        utmp = builder.insert_element(utmp, t, c32(k))
+    return builder.bitcast(utmp, V16B)
+
+
 def _q5_k_kernel(MR: int, tiled: bool):
     """kern(w, n, xq, dx, bsp, m0, out): out[m0+i, n] for i < MR; w: GGUF Q5_K rows (N, nb*176);
     xq (M, K) int8, dx (M, nb) float32: q8_K rows; bsp (M, nb*4) int32: their 32-element sums as
@@ -66,19 +83,7 @@ def _q5_k_kernel(MR: int, tiled: bool):
                     prefetch(builder, builder.gep(p, [c64(PREFETCH + line)]))
                 dw = builder.fpext(load_as(builder, p, f16, 0), f32)
                 dmin = builder.fpext(load_as(builder, p, f16, 2), f32)
-                # the 12 scale bytes as llama.cpp decodes them (utmp): bytes 0..7 sc, 8..15 mn
-                u0, u1, u2 = (load_as(builder, p, i32, 4 + 4 * k) for k in range(3))
-                km1, km2, km3 = (ir.Constant(i32, v) for v in (0x3F3F3F3F, 0x0F0F0F0F, 0x03030303))
-                lsr = lambda v, k: builder.lshr(v, ir.Constant(i32, k))       # noqa: E731
-                lsl = lambda v, k: builder.shl(v, ir.Constant(i32, k))        # noqa: E731
-                t3 = builder.or_(builder.and_(lsr(u2, 4), km2), lsl(builder.and_(lsr(u1, 6), km3), 4))
-                t2 = builder.and_(u1, km1)
-                t1 = builder.or_(builder.and_(u2, km2), lsl(builder.and_(lsr(u0, 6), km3), 4))
-                t0 = builder.and_(u0, km1)
-                utmp = ir.Constant(V4I, ir.Undefined)
-                for k, t in enumerate((t0, t1, t2, t3)):
-                    utmp = builder.insert_element(utmp, t, c32(k))
-                ms = builder.bitcast(utmp, V16B)
+                ms = _scales_mins(builder, p)
                 ms2 = builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 32), list(range(16)) * 2))
                 mn = builder.zext(builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 8), list(range(8, 16)))), V8S)
                 qh = vload(builder, builder.gep(p, [c64(16)]), V32B)
@@ -193,3 +198,28 @@ def _q5_k_rows(w, xq, dx, bsp, run_start, run_len, run_batched, out):
                     else:
                         q5_k_vec_dot_1(w, row, xq, dx, bsp, m, out)
                     m += min(8, left)
+
+
+# --- Q5_K prompts on 512-bit registers (kernels.cpu.qdot.tiled16) ------------------------------
+
+def decode_lanes(builder, p):
+    """The super-block at p as tiled16.lane_unpack_bytes takes a lanes type's (see lanes.lane_kernel):
+    per 32-element sub-block its 5-bit values and its scale (V16S, every lane), d, dmin, and the
+    minimums per 16 elements (V16S: each sub-block's twice), so that the tiled kernel's
+    M = sum_s mn_s bsum32_s is their products with the 16-element sums."""
+    ms = _scales_mins(builder, p)
+    qh = vload(builder, builder.gep(p, [c64(16)]), V32B)
+    m15, one = vconst(V32B, 15), vconst(V32B, 1)
+    qv, sv = [], []
+    for j in range(4):
+        qs = vload(builder, builder.gep(p, [c64(48 + 32 * j)]), V32B)
+        halves = (builder.and_(qs, m15), builder.lshr(qs, vconst(V32B, 4)))
+        for h in range(2):
+            s = 2 * j + h                                          # sub-block s: qh bit s
+            hb = builder.shl(builder.and_(builder.lshr(qh, vconst(V32B, s)) if s else qh, one), vconst(V32B, 4))
+            qv.append(builder.or_(halves[h], hb))
+            sv.append(builder.zext(builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 16), [s] * 16)), V16S))
+    mn = builder.zext(builder.shuffle_vector(ms, ms, ir.Constant(ir.VectorType(i32, 16), [8 + k // 2 for k in range(16)])), V16S)
+    dw = builder.fpext(load_as(builder, p, f16, 0), f32)
+    dmin = builder.fpext(load_as(builder, p, f16, 2), f32)
+    return qv, None, sv, dw, dmin, mn

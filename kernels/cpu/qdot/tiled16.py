@@ -1,13 +1,14 @@
-"""Prompts of the K-quants with llama.cpp's tiled arithmetic (Q6_K, Q3_K, IQ4_XS, Q2_K) on
+"""Prompts of the K-quants with llama.cpp's tiled arithmetic (Q6_K, Q5_K, Q3_K, IQ4_XS, Q2_K) on
 512-bit registers, 16 activation rows in the lanes.
 
 The tiled arithmetic (8 rows or more, tiled_run_microtile_avx2) needs one exact integer per
 (output, super-block), S = sum_k w_k x_k with w_k the element's value v_k times its 16-element
-sub-block's scale sc_j, then res = d_w * float(S) (Q2_K: res = fma(-dmin_w, float(P), res) with
-P = sum_j mn_j * the sub-block's sum of x) and out = fma(res, d_x, out). Any integer arithmetic
+sub-block's scale sc_j, then res = d_w * float(S) (Q2_K, Q5_K: res = fma(-dmin_w, float(P), res)
+with P = sum_j mn_j * the sub-block's sum of x; Q5_K's 32-element sub-blocks count as two of 16
+with the same scale and minimum) and out = fma(res, d_x, out). Any integer arithmetic
 that gives S gives these numbers bit for bit, so S is taken sub-block by sub-block on bytes:
   S = sum_j sc_j A_j - C,  A_j = sum_{k in j} v_k (x_k + 128),  C = 128 sum_j sc_j sum_{k in j} v_k
-v_k (Q6_K q-32, Q3_K q-4, IQ4_XS its level, Q2_K q) fits a signed byte, x + 128 is vpdpbusd's
+v_k (Q6_K q-32, Q3_K q-4, IQ4_XS its level, Q2_K and Q5_K q) fits a signed byte, x + 128 is vpdpbusd's
 unsigned operand (rows16.regroup_biased), and C depends on the weights alone. So a panel of weight
 rows is unpacked once (lane_unpack_bytes: the values, the scales as int32, C, d), and per sub-block
 of one weight row 4 vpdpbusd (a broadcast weight dword against the same dword of 16 rows) give A_j
@@ -15,7 +16,8 @@ for 16 outputs, one vpmulld scales it. Bounds: |A_j| <= 16 * 255 * 128, |sc_j A_
 |S|, |C| < 2^29. vpdpbusd multiplies 4 byte pairs a lane where vpdpwssd (which the int16 products
 value x scale would need) multiplies 2.
 
-AMX (kernels.cpu.qdot.amx) takes its panels from lane_unpack16's int16 products. AVX-512 only
+AMX (kernels.cpu.qdot.amx) takes its panels from lane_unpack16's int16 products (not Q5_K's: under
+AMX its prompts take these kernels too). AVX-512 only
 (simd.WIDE); elsewhere the per-type kernels run every prompt.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kernels import types as T
 from kernels.cpu.qdot.iq4_xs import IQ4_XS_BLOCK, _decode as _iq4_xs_decode
 from kernels.cpu.qdot.q2_k import Q2_K_BLOCK, _decode as _q2_k_decode
 from kernels.cpu.qdot.q3_k import Q3_K_BLOCK, _decode as _q3_k_decode
+from kernels.cpu.qdot.q5_k import Q5_K_BLOCK, decode_lanes as _q5_k_decode
 from kernels.cpu.qdot.q6_k import Q6_K_BLOCK, decode_signed as _q6_k_decode
 from kernels.cpu.qdot.rows16 import V32S, store_lanes, vpdpwssd
 from kernels.cpu.simd import (V16F, V16I, WIDE, array, byte_ptr, c32, c64, call, i32, load_as, not_this_variant, splat,
@@ -104,9 +107,10 @@ def unpack16(ggml_type, w, r0, n_rows, wp, dwp, dmp, mnp):
 
 @njit(cache=True)
 def wide(ggml_type, n_out, run_start, run_len, run_batched):
-    """Does a product take these kernels? Q6_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt) of
-    PROMPT_MIN_ROWS rows or more, on 512-bit registers, whole tiles of weight rows."""
-    return (WIDE and (ggml_type == T.Q6_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS or ggml_type == T.Q2_K)
+    """Does a product take these kernels? Q6_K, Q5_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt)
+    of PROMPT_MIN_ROWS rows or more, on 512-bit registers, whole tiles of weight rows."""
+    return (WIDE and (ggml_type == T.Q6_K or ggml_type == T.Q5_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS
+                      or ggml_type == T.Q2_K)
             and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= PROMPT_MIN_ROWS and n_out % NW == 0)
 
 
@@ -115,7 +119,7 @@ def wide(ggml_type, n_out, run_start, run_len, run_batched):
 def lane_unpack_bytes(name: str, block_bytes: int, decode, signed: bool, mins: bool):
     """An unpacker (w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp): GGUF rows r0 .. r0+n_rows-1 of a
     lanes type -> wp (P, K) int8 the values v, scp (P, nb, 16) int32 the sub-block scales, cp (P, nb)
-    int32 C, dwp (P, nb) d; with mins (Q2_K) dmin into dmp (P, nb) and the 16 minimums into mnp
+    int32 C, dwp (P, nb) d; with mins (Q2_K, Q5_K) dmin into dmp (P, nb) and the 16 minimums into mnp
     (P, nb, 16) int16."""
 
     def kern(typingctx, w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp):
@@ -163,6 +167,7 @@ q6_k_unpack_bytes = lane_unpack_bytes("q6_k", Q6_K_BLOCK, _q6_k_decode, True, Fa
 q3_k_unpack_bytes = lane_unpack_bytes("q3_k", Q3_K_BLOCK, _q3_k_decode, True, False)
 iq4_xs_unpack_bytes = lane_unpack_bytes("iq4_xs", IQ4_XS_BLOCK, _iq4_xs_decode, True, False)
 q2_k_unpack_bytes = lane_unpack_bytes("q2_k", Q2_K_BLOCK, _q2_k_decode, False, True)
+q5_k_unpack_bytes = lane_unpack_bytes("q5_k", Q5_K_BLOCK, _q5_k_decode, False, True)
 
 
 def _tile(NW: int, MX: int, mins: bool):
@@ -248,9 +253,11 @@ if WIDE:
 
 @njit(cache=True, inline="always")
 def unpack_bytes(ggml_type, w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp):
-    """The byte unpacker of ggml_type (Q6_K, Q3_K, Q2_K or IQ4_XS): see lane_unpack_bytes."""
+    """The byte unpacker of ggml_type (Q6_K, Q5_K, Q3_K, Q2_K or IQ4_XS): see lane_unpack_bytes."""
     if ggml_type == T.Q6_K:
         q6_k_unpack_bytes(w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp)
+    elif ggml_type == T.Q5_K:
+        q5_k_unpack_bytes(w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp)
     elif ggml_type == T.Q3_K:
         q3_k_unpack_bytes(w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp)
     elif ggml_type == T.Q2_K:
@@ -264,13 +271,13 @@ def _prompt(ggml_type, w, xb, dx16, bs16, M, out):
     """GGUF rows w (N % NW == 0) of ggml_type x regrouped q8_K rows -> out (M, N) with the tiled
     arithmetic; prange over panels of weight rows, each unpacked once for every group of 16
     activation rows. xb: rows16.regroup_biased of the rows; bs16: rows16.lanes of their 16-element
-    sums as int16 pairs (read for Q2_K)."""
+    sums as int16 pairs (read for Q2_K and Q5_K)."""
     N = w.shape[0]
     K = xb.shape[1] * 4
     nb = dx16.shape[1]
     G = xb.shape[0]
     P = max(NW, min(64, PANEL_BYTES // K) // NW * NW)
-    mins = ggml_type == T.Q2_K
+    mins = ggml_type == T.Q2_K or ggml_type == T.Q5_K
     for p in prange(-(-N // P)):
         r0 = p * P
         nr = min(P, N - r0)
