@@ -113,14 +113,14 @@ def _expected(ggml_type, raw, n_cols, rows: Int8Rows, runs):
 
 @pytest.mark.parametrize("ggml_type", EXACT, ids=_name)
 @pytest.mark.parametrize("n_rows, n_cols", [(13, 256), (40, 4864), (33, 896)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 16, 37, 53])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 9, 12, 16, 37, 53])
 def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     """Bit for bit the numpy model of llama.cpp's kernel: Q8_0/Q5_0 through the x8 kernels (one row,
     or passes of up to 8 rows: 9, 16, 37 take several) and the panel kernel (Q5_0, and Q8_0, Q4_0
     and IQ4_NL with 512-bit registers: from 48 rows, or 32 with 512-bit registers, whose groups of
     16 leave a ragged last one at 37 and 53),
-    Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic; 13 rows: the x8
-    layouts' padding."""
+    Q4_K's gemm/gemv split, Q5_K's and Q6_K's vec_dot (< 8 rows) and tiled (>= 8) arithmetic (12: the
+    K-quants' 16-row kernels on one group partly empty); 13 rows: the x8 layouts' padding."""
     # the panel kernel is covered: by 53 (ragged last tiles of 3 rows, or of a group of 16), and with
     # 512-bit registers by 37 too
     assert (m >= qdot.PANEL_MIN_ROWS) == (m == 53 or (m == 37 and qdot.WIDE))
@@ -153,7 +153,7 @@ def test_panel_rows_that_end_in_half_a_register(ggml_type):
 
 def test_the_wide_prompt_kernels_are_the_ones_tested():
     """With 512-bit registers a prompt's Q6_K, Q5_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
-    (kernels/cpu/qdot/tiled16.py, from 16 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
+    (kernels/cpu/qdot/tiled16.py, from 10 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
     rows keep the gemv arithmetic) and Q5_0's, Q8_0's, Q4_0's and IQ4_NL's through the 512-bit panel: the exactness tests above
     then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
     and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
@@ -168,8 +168,8 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     assert wide_gemm_rows(*qdot.run_arrays([(0, 53, False)])) == 0
     one_run = lambda n: qdot.run_arrays([(0, n, True)])            # noqa: E731
     for t in (T.Q6_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K):
-        assert tiled16.wide(t, 40, *one_run(16)) == wide
-        assert not tiled16.wide(t, 40, *one_run(15))
+        assert tiled16.wide(t, 40, *one_run(10)) == wide
+        assert not tiled16.wide(t, 40, *one_run(9))
         assert not tiled16.wide(t, 13, *one_run(53))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))

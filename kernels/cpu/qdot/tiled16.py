@@ -40,9 +40,10 @@ from kernels.cpu.simd import (V16F, V16I, WIDE, array, byte_ptr, c32, c64, call,
 
 NW = 8                       # weight rows per tile (each with one accumulator per 16 activation rows)
 PANEL_BYTES = 512 << 10      # the unpacked panel (rows x K bytes) stays in L2 beside the activations
-# From this many activation rows on, a batched run takes these kernels (Q6_K: at 8 rows the int16
-# kernels these replaced and the per-type ones were even; README: measured).
-PROMPT_MIN_ROWS = 16
+# From this many activation rows on (llama.cpp's tiled arithmetic starts at 8), a batched run
+# takes these kernels: a group of 16 rows that is partly empty still costs less than the per-type
+# kernels from here (README: measured).
+PROMPT_MIN_ROWS = 10
 
 
 def lane_unpack16(name: str, block_bytes: int, decode, signed: bool, mins: bool):
