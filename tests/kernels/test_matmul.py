@@ -139,6 +139,35 @@ def test_exact_matmul_equals_llama_cpp_model(ggml_type, n_rows, n_cols, m):
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, n_cols, rows, [(0, m, True)]))
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q6_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K], ids=_name)
+@pytest.mark.parametrize("m", [8, 13, 37])
+def test_k_quant_byte_kernels_with_8_rows_to_a_register(ggml_type, m):
+    """The K-quants' byte kernels as a CPU with AVX-VNNI and no AVX-512 runs them (tiled16: 8
+    activation rows in a 256-bit register, tiles of 4 weight rows; 20 weight rows, so the last tile
+    is not a whole 8). Such a CPU is a variant this machine may not execute, but wherever vpdpbusd
+    exists the same kernels compile, and here they must give the model's numbers bit for bit.
+    Without vpdpbusd (AVX2 alone) no byte kernel is picked."""
+    from kernels.cpu.qdot import tiled16
+    from kernels.types import ACT_Q8_K
+    rng = np.random.default_rng(ggml_type * 100 + m)
+    raw = random_quantized(ggml_type, 20, 1536, rng)
+    x = rng.standard_normal((m, 1536)).astype(np.float32)
+    x[0, 3] = 25.0
+    if not tiled16.VNNI:
+        assert not tiled16.wide(ggml_type, 20, *qdot.run_arrays([(0, m, True)]))
+        return
+    qm = QMatrix(raw, ggml_type, 20, 1536)
+    q = qdot.Q8Buffers.alloc(m, 1536)
+    qdot.quantize_into(x, ACT_Q8_K, q)
+    rows = Int8Rows(x, TRAITS[ggml_type].vec_dot)
+    np.testing.assert_array_equal(q.xq, rows.xq)
+    xb, dx, bs = tiled16.operands(ggml_type, q, 8)
+    assert xb.shape[2] == 8
+    out = np.zeros((m, 20), np.float32)
+    tiled16.prompt(ggml_type, qm.exact, xb, dx, bs, m, out)
+    np.testing.assert_array_equal(out, _expected(ggml_type, raw, 1536, rows, [(0, m, True)]))
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q8_0, T.Q4_0, T.IQ4_NL], ids=_name)
 def test_panel_rows_that_end_in_half_a_register(ggml_type):
     """Rows of 160 (K % 64 == 32): the 512-bit panel's activations, 16 dwords of 16 rows per register
@@ -155,9 +184,11 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     """With 512-bit registers a prompt's Q6_K, Q5_K, Q3_K, IQ4_XS and Q2_K rows go through the 16-row kernels
     (kernels/cpu/qdot/tiled16.py, from 10 rows, whole tiles of weight rows), Q4_K's gemm rows through its 16-row kernel (from 32 of them; the last n % 4
     rows keep the gemv arithmetic) and Q5_0's, Q8_0's, Q4_0's and IQ4_NL's through the 512-bit panel: the exactness tests above
-    then test them (16 and 40 weight rows; 16, 37 and 53 activation rows). Elsewhere none is picked,
-    and the same tests cover the other kernels (tests/engine/test_cpu_variants.py runs them under
-    each variant). The K-quants' 16-row kernels but Q5_K's are AMX tile kernels under avx512amx."""
+    then test them (16 and 40 weight rows; 12, 16, 37 and 53 activation rows). With AVX-VNNI alone
+    the K-quants' byte kernels run with 8 rows in the lanes, from 8 rows (8, 9, 12, ... test them).
+    Elsewhere none is picked, and the same tests cover the other kernels (tests/engine/test_cpu_variants.py
+    runs them under each variant). The K-quants' 16-row kernels but Q5_K's are AMX tile kernels under
+    avx512amx."""
     from kernels.cpu import isa
     wide = isa.variant() in ("avx512vnni", "avx512amx")   # the variants with 512-bit registers
     from kernels.cpu.qdot import tiled16
@@ -167,9 +198,11 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     assert wide_gemm_rows(*qdot.run_arrays([(0, 31, True)])) == 0
     assert wide_gemm_rows(*qdot.run_arrays([(0, 53, False)])) == 0
     one_run = lambda n: qdot.run_arrays([(0, n, True)])            # noqa: E731
+    vnni = isa.variant() != "avx2"                        # vpdpbusd: the byte kernels, 8 or 16 rows to a register
+    assert tiled16.LANES == (16 if wide else 8) and tiled16.PROMPT_MIN_ROWS == (10 if wide else 8)
     for t in (T.Q6_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K):
-        assert tiled16.wide(t, 40, *one_run(10)) == wide
-        assert not tiled16.wide(t, 40, *one_run(9))
+        assert tiled16.wide(t, 40, *one_run(tiled16.PROMPT_MIN_ROWS)) == vnni
+        assert not tiled16.wide(t, 40, *one_run(tiled16.PROMPT_MIN_ROWS - 1))
         assert not tiled16.wide(t, 13, *one_run(53))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
         assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))

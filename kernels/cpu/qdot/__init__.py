@@ -101,7 +101,6 @@ _FORMS = {ACT_Q8_0: ("xq", "dx", "sx", "s1"), ACT_Q8_K: ("xq", "dx", "bs16", "bs
 # 512-bit 16-row kernels; the same bits either way.
 AMX = amx.AMX
 q4_k_prompt = amx.q4_k_prompt if AMX else _q4_k_prompt_512
-NO_SUMS = np.zeros((0, 0, 16), np.int32)     # tiled16.prompt's 16-element sums, for the types without minimums
 # From this many activation rows on, the types with a panel kernel (q0.has_panel) go through it
 # (below it the multi-row x8 kernel is faster; README: measured): the 512-bit panel's groups of 16
 # rows pay off from two of them.
@@ -232,9 +231,9 @@ def matmul_row(layout, ggml_type, q, runs, out):
     elif tiled16.wide(ggml_type, layout.shape[0], run_start, run_len, run_batched):
         if AMX and ggml_type != T.Q5_K:
             amx.tiled_prompt(ggml_type, layout, rows16.regroup_bytes(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
-        else:                  # Q2_K's and Q5_K's minimums need the 16-element sums
-            bs16 = rows16.lanes(q.bs16.view(np.int32)) if ggml_type == T.Q2_K or ggml_type == T.Q5_K else NO_SUMS
-            tiled16.prompt(ggml_type, layout, rows16.regroup_biased(q.xq), rows16.lanes(q.dxk), bs16, q.xq.shape[0], out)
+        else:
+            xb, dx, bs = tiled16.operands(ggml_type, q, tiled16.LANES)
+            tiled16.prompt(ggml_type, layout, xb, dx, bs, q.xq.shape[0], out)
     elif ggml_type == T.Q6_K:
         _q6_k_rows(layout, q.xq, q.dxk, q.bs16, run_start, run_len, run_batched, out)
     elif ggml_type == T.Q5_K:

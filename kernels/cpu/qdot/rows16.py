@@ -1,7 +1,8 @@
 """Activation rows 16 to a 512-bit register, for the prompt kernels that put the rows in the lanes
 (on AVX-512: q4_k, the tiled16 K-quants, q0's Q5_0 and Q8_0 panel): one weight dword broadcast
 against the same dword of 16 rows is one vpdpbusd / vpdpwssd for 16 outputs, with no shuffles in
-the loop."""
+the loop. The tiled16 K-quants also run on AVX-VNNI's 256-bit registers, 8 rows to one (the *8
+forms)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,9 +25,10 @@ def vpdpwssd(builder, acc, a, b):
 
 
 def store_lanes(builder, vec, out_ptr, N, M, group, col):
-    """out[16 group + l, col] = vec[l] for the lanes l whose row is below M (out: (rows, N) float32)."""
-    for lane in range(16):
-        row = builder.add(builder.mul(group, c64(16)), c64(lane))
+    """out[L group + l, col] = vec[l] for the L lanes l of vec whose row is below M (out: (rows, N) float32)."""
+    L = vec.type.count
+    for lane in range(L):
+        row = builder.add(builder.mul(group, c64(L)), c64(lane))
         with builder.if_then(builder.icmp_signed("<", row, M)):
             builder.store(builder.extract_element(vec, c32(lane)), builder.gep(out_ptr, [builder.add(builder.mul(row, N), col)]))
 
@@ -140,13 +142,56 @@ def regroup_biased(xq):
     return xg
 
 
+@intrinsic
+def _regroup8_biased(typingctx, xq, g, xg):
+    """Rows 8g .. 8g+7 of xq (M, K) int8, K % 32 == 0 (those below M), into xg[g] (K/4, 8, 4) as x + 128."""
+    sig = types.void(xq, g, xg)
+
+    def codegen(context, builder, signature, args):
+        xa, _, ya = (array(context, builder, signature.args[k], args[k]) if k != 1 else None for k in range(3))
+        gv = args[1]
+        M = builder.extract_value(xa.shape, 0)
+        K = builder.extract_value(xa.shape, 1)
+        base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(builder.extract_value(ya.shape, 1), c64(32)))])
+        n = builder.sub(M, builder.mul(gv, c64(8)))
+        n = builder.select(builder.icmp_signed("<", n, c64(8)), n, c64(8))
+        with cgutils.for_range_slice(builder, c64(0), K, c64(32)) as (k, _):      # 8 dwords of a row
+            with cgutils.for_range(builder, n) as rl:
+                r = rl.index
+                src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(8)), r), K)])
+                v = builder.xor(vload(builder, builder.gep(src, [k]), V32B), ir.Constant(V32B, [0x80] * 32))
+                v = builder.bitcast(v, ir.VectorType(i32, 8))
+                dst = builder.gep(base, [builder.mul(r, c64(4))])
+                for e in range(8):                     # dword k/4 + e -> 32 (k/4 + e) + 4r
+                    at = builder.mul(builder.add(builder.sdiv(k, c64(4)), c64(e)), c64(32))
+                    builder.store(builder.extract_element(v, c32(e)),
+                                  builder.bitcast(builder.gep(dst, [at]), i32.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def regroup_biased8(xq):
+    """q8_K rows (M, K), K % 32 == 0 -> (G, K/4, 8, 4) uint8 x + 128: rows 8g .. 8g+7 in the lanes
+    (rows past M 128: zero)."""
+    M, K = xq.shape
+    G = -(-M // 8)
+    xg = np.empty((G, K // 4, 8, 4), np.uint8)
+    for g in prange(G):
+        if M - 8 * g < 8:
+            xg[g] = 128
+        _regroup8_biased(xq, g, xg)
+    return xg
+
+
 @njit(cache=True, error_model="numpy")
-def lanes(a):
-    """(M, n) -> (G, n, 16): a per-row array (scales, sums) with 16 rows in the lanes, zero padding."""
+def lanes(a, L=16):
+    """(M, n) -> (G, n, L): a per-row array (scales, sums) with L rows in the lanes, zero padding."""
     M, n = a.shape
-    G = -(-M // 16)
-    out = np.zeros((G, n, 16), a.dtype)
+    G = -(-M // L)
+    out = np.zeros((G, n, L), a.dtype)
     for m in range(M):
         for b in range(n):
-            out[m // 16, b, m % 16] = a[m, b]
+            out[m // L, b, m % L] = a[m, b]
     return out

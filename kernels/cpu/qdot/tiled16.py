@@ -17,8 +17,9 @@ for 16 outputs, one vpmulld scales it. Bounds: |A_j| <= 16 * 255 * 128, |sc_j A_
 value x scale would need) multiplies 2.
 
 AMX (kernels.cpu.qdot.amx) takes its panels from lane_unpack16's int16 products (not Q5_K's: under
-AMX its prompts take these kernels too). AVX-512 only
-(simd.WIDE); elsewhere the per-type kernels run every prompt.
+AMX its prompts take these kernels too). With AVX-VNNI alone (256-bit registers, 16 of them) the
+same kernels put 8 rows in the lanes (LANES); with AVX2 alone (no vpdpbusd) the per-type kernels
+run every prompt.
 """
 from __future__ import annotations
 
@@ -34,16 +35,24 @@ from kernels.cpu.qdot.q2_k import Q2_K_BLOCK, _decode as _q2_k_decode
 from kernels.cpu.qdot.q3_k import Q3_K_BLOCK, _decode as _q3_k_decode
 from kernels.cpu.qdot.q5_k import Q5_K_BLOCK, decode_lanes as _q5_k_decode
 from kernels.cpu.qdot.q6_k import Q6_K_BLOCK, decode_signed as _q6_k_decode
+from kernels.cpu.qdot import rows16
 from kernels.cpu.qdot.rows16 import V32S, store_lanes, vpdpwssd
-from kernels.cpu.simd import (V16F, V16I, WIDE, array, byte_ptr, c32, c64, call, i32, load_as, not_this_variant, splat,
+from kernels.cpu.simd import (VNNI, WIDE, array, byte_ptr, c32, c64, call, f32, i32, load_as, not_this_variant, splat,
                               vload, vstore)
 
-NW = 8                       # weight rows per tile (each with one accumulator per 16 activation rows)
+# Activation rows in a register's lanes (LANES), and the tiles' weight rows (NW) and groups of rows
+# (MX) for each: 16 on 512-bit registers (32 of them), 8 on AVX-VNNI's 256-bit ones (16 of them: 4
+# weight rows, one group, so that the accumulators, a sub-block's 4 activation vectors and the
+# temporaries fit). The 8-lane kernels compile on AVX-512 too, where the tests run them.
+LANES = 16 if WIDE else 8
+NW16, MX16 = 8, 2
+NW8, MX8 = 4, 1
+NW = NW16 if WIDE else NW8            # whole tiles of weight rows (wide())
 PANEL_BYTES = 512 << 10      # the unpacked panel (rows x K bytes) stays in L2 beside the activations
 # From this many activation rows on (llama.cpp's tiled arithmetic starts at 8), a batched run
-# takes these kernels: a group of 16 rows that is partly empty still costs less than the per-type
-# kernels from here (README: measured).
-PROMPT_MIN_ROWS = 10
+# takes these kernels: with 16 lanes a group partly empty still costs less than the per-type
+# kernels from 10 rows, with 8 a group is full at 8 (README: measured).
+PROMPT_MIN_ROWS = 10 if WIDE else 8
 
 
 def lane_unpack16(name: str, block_bytes: int, decode, signed: bool, mins: bool):
@@ -110,7 +119,7 @@ def unpack16(ggml_type, w, r0, n_rows, wp, dwp, dmp, mnp):
 def wide(ggml_type, n_out, run_start, run_len, run_batched):
     """Does a product take these kernels? Q6_K, Q5_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt)
     of PROMPT_MIN_ROWS rows or more, on 512-bit registers, whole tiles of weight rows."""
-    return (WIDE and (ggml_type == T.Q6_K or ggml_type == T.Q5_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS
+    return (VNNI and (ggml_type == T.Q6_K or ggml_type == T.Q5_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS
                       or ggml_type == T.Q2_K)
             and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= PROMPT_MIN_ROWS and n_out % NW == 0)
 
@@ -171,11 +180,13 @@ q2_k_unpack_bytes = lane_unpack_bytes("q2_k", Q2_K_BLOCK, _q2_k_decode, False, T
 q5_k_unpack_bytes = lane_unpack_bytes("q5_k", Q5_K_BLOCK, _q5_k_decode, False, True)
 
 
-def _tile(NW: int, MX: int, mins: bool):
-    """kern(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, n0, M): out[16(g+x) + l, n0+j0+j]
-    for j < NW, x < MX and the 16 lanes l (rows below M). wp .. mnp from lane_unpack_bytes; xb (G,
-    K/4, 16, 4) uint8 the rows + 128 (rows16.regroup_biased), dx16 (G, nb, 16) float32 and (mins)
-    bs16 (G, K/32, 16, 2) int16 the 16-element sums of x, from rows16 (P: vpdpwssd on their pairs)."""
+def _tile(NW: int, MX: int, mins: bool, L: int):
+    """kern(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, n0, M): out[L(g+x) + l, n0+j0+j]
+    for j < NW, x < MX and the L lanes l (rows below M; L = 16 on 512-bit registers, 8 on 256-bit).
+    wp .. mnp from lane_unpack_bytes; xb (G, K/4, L, 4) uint8 the rows + 128 (rows16.regroup_biased),
+    dx16 (G, nb, L) float32 and (mins) bs16 (G, K/32, L, 2) int16 the 16-element sums of x, from
+    rows16 (P: vpdpwssd on their pairs)."""
+    VI, VF = ir.VectorType(i32, L), ir.VectorType(f32, L)
 
     def kern(typingctx, wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, n0, M):
         sig = types.void(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, n0, M)
@@ -189,52 +200,53 @@ def _tile(NW: int, MX: int, mins: bool):
             N = builder.extract_value(oa.shape, 1)
             rows = [builder.add(j0v, c64(j)) for j in range(NW)]
             wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(rows[j], K)]) for j in range(NW)]
-            xg = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(gv, c64(x)), builder.mul(K, c64(16)))])
+            xg = [builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(gv, c64(x)), builder.mul(K, c64(L)))])
                   for x in range(MX)]
-            dxg = [builder.gep(dxa.data, [builder.mul(builder.add(gv, c64(x)), builder.mul(nb, c64(16)))]) for x in range(MX)]
-            bg = [builder.gep(byte_ptr(builder, ba.data), [builder.mul(builder.add(gv, c64(x)), builder.mul(nb, c64(8 * 64)))])
+            dxg = [builder.gep(dxa.data, [builder.mul(builder.add(gv, c64(x)), builder.mul(nb, c64(L)))]) for x in range(MX)]
+            bg = [builder.gep(byte_ptr(builder, ba.data), [builder.mul(builder.add(gv, c64(x)), builder.mul(nb, c64(8 * 4 * L)))])
                   for x in range(MX)] if mins else None
-            zero_i = ir.Constant(V16I, [0] * 16)
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V16F, [0.0] * 16)) for _ in range(MX)] for _ in range(NW)]
-            S = [[cgutils.alloca_once(builder, V16I) for _ in range(MX)] for _ in range(NW)]
+            zero_i = ir.Constant(VI, [0] * L)
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * L)) for _ in range(MX)] for _ in range(NW)]
+            S = [[cgutils.alloca_once(builder, VI) for _ in range(MX)] for _ in range(NW)]
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 rb = [builder.add(builder.mul(rows[j], nb), b) for j in range(NW)]
                 for j in range(NW):
-                    minus_c = splat(builder, builder.neg(builder.load(builder.gep(ca.data, [rb[j]]))), V16I)
+                    minus_c = splat(builder, builder.neg(builder.load(builder.gep(ca.data, [rb[j]]))), VI)
                     for x in range(MX):
                         builder.store(minus_c, S[j][x])
                 with cgutils.for_range(builder, c64(16)) as sl:                 # 16-element sub-blocks
                     s = sl.index
                     e = builder.add(builder.mul(b, c64(64)), builder.mul(s, c64(4)))   # its first dword
-                    xs = [[vload(builder, builder.gep(xg[x], [builder.mul(builder.add(e, c64(t)), c64(64))]), V16I)
+                    xs = [[vload(builder, builder.gep(xg[x], [builder.mul(builder.add(e, c64(t)), c64(4 * L))]), VI)
                            for t in range(4)] for x in range(MX)]
                     for j in range(NW):
-                        sc = splat(builder, builder.load(builder.gep(sa.data, [builder.add(builder.mul(rb[j], c64(16)), s)])), V16I)
-                        wd = [splat(builder, load_as(builder, wrow[j], i32, builder.mul(builder.add(e, c64(t)), c64(4))), V16I)
+                        sc = splat(builder, builder.load(builder.gep(sa.data, [builder.add(builder.mul(rb[j], c64(16)), s)])), VI)
+                        wd = [splat(builder, load_as(builder, wrow[j], i32, builder.mul(builder.add(e, c64(t)), c64(4))), VI)
                               for t in range(4)]
                         for x in range(MX):
                             a = zero_i
                             for t in range(4):
-                                a = call(builder, "llvm.x86.avx512.vpdpbusd.512", V16I, [a, xs[x][t], wd[t]])
+                                a = call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * L}", VI, [a, xs[x][t], wd[t]])
                             builder.store(builder.add(builder.load(S[j][x]), builder.mul(a, sc)), S[j][x])
                 for x in range(MX):
-                    dxv = vload(builder, builder.gep(dxg[x], [builder.mul(b, c64(16))]), V16F)
+                    dxv = vload(builder, builder.gep(dxg[x], [builder.mul(b, c64(L))]), VF)
                     if mins:                                                   # 8 pairs of 16-element sums
-                        bsx = [vload(builder, builder.gep(bg[x], [builder.mul(builder.add(builder.mul(b, c64(8)), c64(q)), c64(64))]), V16I)
+                        bsx = [vload(builder, builder.gep(bg[x], [builder.mul(builder.add(builder.mul(b, c64(8)), c64(q)), c64(4 * L))]), VI)
                                for q in range(8)]
                     for j in range(NW):
-                        dw = splat(builder, builder.load(builder.gep(da.data, [rb[j]])), V16F)
-                        res = builder.fmul(dw, builder.sitofp(builder.load(S[j][x]), V16F))
+                        dw = splat(builder, builder.load(builder.gep(da.data, [rb[j]])), VF)
+                        res = builder.fmul(dw, builder.sitofp(builder.load(S[j][x]), VF))
                         if mins:
                             at = builder.mul(rb[j], c64(32))
                             P = zero_i
                             for q in range(8):
-                                mq = splat(builder, load_as(builder, byte_ptr(builder, mna.data), i32, builder.add(at, c64(4 * q))), V16I)
-                                P = vpdpwssd(builder, P, bsx[q], mq)
-                            dm = splat(builder, builder.fneg(builder.load(builder.gep(dma.data, [rb[j]]))), V16F)
-                            res = call(builder, "llvm.fma.v16f32", V16F, [dm, builder.sitofp(P, V16F), res])
-                        builder.store(call(builder, "llvm.fma.v16f32", V16F, [res, dxv, builder.load(acc[j][x])]), acc[j][x])
+                                mq = splat(builder, load_as(builder, byte_ptr(builder, mna.data), i32, builder.add(at, c64(4 * q))), VI)
+                                P = (vpdpwssd(builder, P, bsx[q], mq) if L == 16 else
+                                     call(builder, "llvm.x86.avx512.vpdpwssd.256", VI, [P, bsx[q], mq]))
+                            dm = splat(builder, builder.fneg(builder.load(builder.gep(dma.data, [rb[j]]))), VF)
+                            res = call(builder, f"llvm.fma.v{L}f32", VF, [dm, builder.sitofp(P, VF), res])
+                        builder.store(call(builder, f"llvm.fma.v{L}f32", VF, [res, dxv, builder.load(acc[j][x])]), acc[j][x])
             for x in range(MX):
                 for j in range(NW):
                     store_lanes(builder, builder.load(acc[j][x]), oa.data, N, Mv, builder.add(gv, c64(x)),
@@ -243,13 +255,17 @@ def _tile(NW: int, MX: int, mins: bool):
 
         return sig, codegen
 
-    kern.__name__ = f"tiled_bytes_{NW}x{MX}{'_mins' if mins else ''}"
+    kern.__name__ = f"tiled_bytes_{L}_{NW}x{MX}{'_mins' if mins else ''}"
     return intrinsic(kern)
 
 
 if WIDE:
-    tile_2, tile_1 = _tile(NW, 2, False), _tile(NW, 1, False)
-    tile_2m, tile_1m = _tile(NW, 2, True), _tile(NW, 1, True)
+    tile16, tile16_1 = _tile(NW16, MX16, False, 16), _tile(NW16, 1, False, 16)
+    tile16m, tile16_1m = _tile(NW16, MX16, True, 16), _tile(NW16, 1, True, 16)
+else:
+    tile16 = tile16_1 = tile16m = tile16_1m = not_this_variant
+if VNNI:
+    tile8, tile8m = _tile(NW8, MX8, False, 8), _tile(NW8, MX8, True, 8)
 
 
 @njit(cache=True, inline="always")
@@ -267,18 +283,29 @@ def unpack_bytes(ggml_type, w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp):
         iq4_xs_unpack_bytes(w, r0, n_rows, wp, scp, cp, dwp, dmp, mnp)
 
 
+@njit(cache=True)
+def operands(ggml_type, q, L):
+    """A prompt's q8_K rows (qdot.Q8Buffers) as _prompt takes them, L (16 or 8) to a register: the
+    rows + 128 and their scales, and for Q2_K's and Q5_K's minimums their 16-element sums as int16
+    pairs."""
+    xb = rows16.regroup_biased(q.xq) if L == 16 else rows16.regroup_biased8(q.xq)
+    mins = ggml_type == T.Q2_K or ggml_type == T.Q5_K
+    bs = rows16.lanes(q.bs16.view(np.int32), L) if mins else np.zeros((0, 0, L), np.int32)
+    return xb, rows16.lanes(q.dxk, L), bs
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _prompt(ggml_type, w, xb, dx16, bs16, M, out):
     """GGUF rows w (N % NW == 0) of ggml_type x regrouped q8_K rows -> out (M, N) with the tiled
-    arithmetic; prange over panels of weight rows, each unpacked once for every group of 16
-    activation rows. xb: rows16.regroup_biased of the rows; bs16: rows16.lanes of their 16-element
-    sums as int16 pairs (read for Q2_K and Q5_K)."""
+    arithmetic; prange over panels of weight rows, each unpacked once for every group of L
+    activation rows. xb, dx16, bs16: operands(), L = xb.shape[2]."""
     N = w.shape[0]
     K = xb.shape[1] * 4
     nb = dx16.shape[1]
     G = xb.shape[0]
-    P = max(NW, min(64, PANEL_BYTES // K) // NW * NW)
+    P = max(NW16, min(64, PANEL_BYTES // K) // NW16 * NW16)
     mins = ggml_type == T.Q2_K or ggml_type == T.Q5_K
+    wide = xb.shape[2] == 16
     for p in prange(-(-N // P)):
         r0 = p * P
         nr = min(P, N - r0)
@@ -289,21 +316,30 @@ def _prompt(ggml_type, w, xb, dx16, bs16, M, out):
         dmp = np.empty((P, nb), np.float32)
         mnp = np.empty((P, nb, 16), np.int16)
         unpack_bytes(ggml_type, w, r0, nr, wp, scp, cp, dwp, dmp, mnp)
+        if not wide:
+            for g in range(G):
+                for j0 in range(0, nr, NW8):
+                    if mins:
+                        tile8m(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+                    else:
+                        tile8(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+            continue
         g = 0
-        while g + 2 <= G:
-            for j0 in range(0, nr, NW):
+        while g + MX16 <= G:
+            for j0 in range(0, nr, NW16):
                 if mins:
-                    tile_2m(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+                    tile16m(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
                 else:
-                    tile_2(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
-            g += 2
-        if g < G:
-            for j0 in range(0, nr, NW):
+                    tile16(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+            g += MX16
+        while g < G:
+            for j0 in range(0, nr, NW16):
                 if mins:
-                    tile_1m(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+                    tile16_1m(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
                 else:
-                    tile_1(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+                    tile16_1(wp, scp, cp, dwp, dmp, mnp, j0, xb, dx16, bs16, g, out, r0, M)
+            g += 1
 
 
-# The 512-bit kernels are compiled only where they run; elsewhere the dispatch never calls them.
-prompt = _prompt if WIDE else not_this_variant
+# The kernels are compiled only where vpdpbusd is; elsewhere the dispatch never calls them.
+prompt = _prompt if VNNI else not_this_variant
