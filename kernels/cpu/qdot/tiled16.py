@@ -266,6 +266,8 @@ else:
     tile16 = tile16_1 = tile16m = tile16_1m = not_this_variant
 if VNNI:
     tile8, tile8m = _tile(NW8, MX8, False, 8), _tile(NW8, MX8, True, 8)
+else:
+    tile8 = tile8m = not_this_variant
 
 
 @njit(cache=True, inline="always")
