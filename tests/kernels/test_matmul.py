@@ -154,7 +154,7 @@ def test_k_quant_byte_kernels_with_8_rows_to_a_register(ggml_type, m):
     x = rng.standard_normal((m, 1536)).astype(np.float32)
     x[0, 3] = 25.0
     if not tiled16.VNNI:
-        assert not tiled16.wide(ggml_type, 20, *qdot.run_arrays([(0, m, True)]))
+        assert not tiled16.takes(ggml_type, 20, *qdot.run_arrays([(0, m, True)]))
         return
     qm = QMatrix(raw, ggml_type, 20, 1536)
     q = qdot.Q8Buffers.alloc(m, 1536)
@@ -201,12 +201,12 @@ def test_the_wide_prompt_kernels_are_the_ones_tested():
     vnni = isa.variant() != "avx2"                        # vpdpbusd: the byte kernels, 8 or 16 rows to a register
     assert tiled16.LANES == (16 if wide else 8) and tiled16.PROMPT_MIN_ROWS == (10 if wide else 8)
     for t in (T.Q6_K, T.Q5_K, T.Q3_K, T.IQ4_XS, T.Q2_K):
-        assert tiled16.wide(t, 40, *one_run(tiled16.PROMPT_MIN_ROWS)) == vnni
-        assert not tiled16.wide(t, 40, *one_run(tiled16.PROMPT_MIN_ROWS - 1))
-        assert not tiled16.wide(t, 13, *one_run(53))
-        assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
-        assert not tiled16.wide(t, 40, *qdot.run_arrays([(0, 53, False)]))
-    assert not tiled16.wide(T.Q4_K, 40, *one_run(53))
+        assert tiled16.takes(t, 40, *one_run(tiled16.PROMPT_MIN_ROWS)) == vnni
+        assert not tiled16.takes(t, 40, *one_run(tiled16.PROMPT_MIN_ROWS - 1))
+        assert not tiled16.takes(t, 13, *one_run(53))
+        assert not tiled16.takes(t, 40, *qdot.run_arrays([(0, 30, True), (30, 23, True)]))
+        assert not tiled16.takes(t, 40, *qdot.run_arrays([(0, 53, False)]))
+    assert not tiled16.takes(T.Q4_K, 40, *one_run(53))
     assert (qdot.panel_prompt.py_func.__name__ == "_panel_prompt_512") == wide
     assert qdot.has_panel(T.Q5_0) and all(qdot.has_panel(t) == wide for t in (T.Q8_0, T.Q4_0, T.IQ4_NL))
     assert not any(qdot.has_panel(t) for t in (T.Q4_1, T.Q5_1))

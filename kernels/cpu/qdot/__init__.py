@@ -228,7 +228,7 @@ def matmul_row(layout, ggml_type, q, runs, out):
     run_start, run_len, run_batched = runs
     if ggml_type == T.F32 or ggml_type == T.F16 or ggml_type == T.BF16:
         _dense_rows(ggml_type, layout, q.xf, run_start, run_len, run_batched, out, layout.shape[0] % TINY_MR == 0)
-    elif tiled16.wide(ggml_type, layout.shape[0], run_start, run_len, run_batched):
+    elif tiled16.takes(ggml_type, layout.shape[0], run_start, run_len, run_batched):
         if AMX and ggml_type != T.Q5_K:
             amx.tiled_prompt(ggml_type, layout, rows16.regroup_bytes(q.xq), rows16.lanes(q.dxk), q.xq.shape[0], out)
         else:

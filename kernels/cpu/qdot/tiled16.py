@@ -1,5 +1,5 @@
-"""Prompts of the K-quants with llama.cpp's tiled arithmetic (Q6_K, Q5_K, Q3_K, IQ4_XS, Q2_K) on
-512-bit registers, 16 activation rows in the lanes.
+"""Prompts of the K-quants with llama.cpp's tiled arithmetic (Q6_K, Q5_K, Q3_K, IQ4_XS, Q2_K), activation
+rows in the lanes: 16 to a 512-bit register (AVX-512), 8 to a 256-bit one (AVX-VNNI).
 
 The tiled arithmetic (8 rows or more, tiled_run_microtile_avx2) needs one exact integer per
 (output, super-block), S = sum_k w_k x_k with w_k the element's value v_k times its 16-element
@@ -11,8 +11,8 @@ that gives S gives these numbers bit for bit, so S is taken sub-block by sub-blo
 v_k (Q6_K q-32, Q3_K q-4, IQ4_XS its level, Q2_K and Q5_K q) fits a signed byte, x + 128 is vpdpbusd's
 unsigned operand (rows16.regroup_biased), and C depends on the weights alone. So a panel of weight
 rows is unpacked once (lane_unpack_bytes: the values, the scales as int32, C, d), and per sub-block
-of one weight row 4 vpdpbusd (a broadcast weight dword against the same dword of 16 rows) give A_j
-for 16 outputs, one vpmulld scales it. Bounds: |A_j| <= 16 * 255 * 128, |sc_j A_j| < 2^24,
+of one weight row 4 vpdpbusd (a broadcast weight dword against the same dword of 16 or 8 rows) give
+A_j for 16 or 8 outputs, one vpmulld scales it. Bounds: |A_j| <= 16 * 255 * 128, |sc_j A_j| < 2^24,
 |S|, |C| < 2^29. vpdpbusd multiplies 4 byte pairs a lane where vpdpwssd (which the int16 products
 value x scale would need) multiplies 2.
 
@@ -41,13 +41,13 @@ from kernels.cpu.simd import (VNNI, WIDE, array, byte_ptr, c32, c64, call, f32, 
                               vload, vstore)
 
 # Activation rows in a register's lanes (LANES), and the tiles' weight rows (NW) and groups of rows
-# (MX) for each: 16 on 512-bit registers (32 of them), 8 on AVX-VNNI's 256-bit ones (16 of them: 4
-# weight rows, one group, so that the accumulators, a sub-block's 4 activation vectors and the
+# (MX): 16 on 512-bit registers (32 of them), 8 on AVX-VNNI's 256-bit ones (16 of them: 4 weight
+# rows and one group, so that the accumulators, a sub-block's 4 activation vectors and the
 # temporaries fit). The 8-lane kernels compile on AVX-512 too, where the tests run them.
 LANES = 16 if WIDE else 8
 NW16, MX16 = 8, 2
-NW8, MX8 = 4, 1
-NW = NW16 if WIDE else NW8            # whole tiles of weight rows (wide())
+NW8 = 4
+NW = NW16 if WIDE else NW8            # whole tiles of weight rows (takes())
 PANEL_BYTES = 512 << 10      # the unpacked panel (rows x K bytes) stays in L2 beside the activations
 # From this many activation rows on (llama.cpp's tiled arithmetic starts at 8), a batched run
 # takes these kernels: with 16 lanes a group partly empty still costs less than the per-type
@@ -116,9 +116,9 @@ def unpack16(ggml_type, w, r0, n_rows, wp, dwp, dmp, mnp):
 
 
 @njit(cache=True)
-def wide(ggml_type, n_out, run_start, run_len, run_batched):
+def takes(ggml_type, n_out, run_start, run_len, run_batched):
     """Does a product take these kernels? Q6_K, Q5_K, Q3_K, IQ4_XS or Q2_K, one batched run (a prompt)
-    of PROMPT_MIN_ROWS rows or more, on 512-bit registers, whole tiles of weight rows."""
+    of PROMPT_MIN_ROWS rows or more, where vpdpbusd is (AVX-512 or AVX-VNNI), whole tiles of weight rows."""
     return (VNNI and (ggml_type == T.Q6_K or ggml_type == T.Q5_K or ggml_type == T.Q3_K or ggml_type == T.IQ4_XS
                       or ggml_type == T.Q2_K)
             and run_start.shape[0] == 1 and run_batched[0] and run_len[0] >= PROMPT_MIN_ROWS and n_out % NW == 0)
@@ -265,7 +265,7 @@ if WIDE:
 else:
     tile16 = tile16_1 = tile16m = tile16_1m = not_this_variant
 if VNNI:
-    tile8, tile8m = _tile(NW8, MX8, False, 8), _tile(NW8, MX8, True, 8)
+    tile8, tile8m = _tile(NW8, 1, False, 8), _tile(NW8, 1, True, 8)
 else:
     tile8 = tile8m = not_this_variant
 
