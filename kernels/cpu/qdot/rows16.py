@@ -60,12 +60,14 @@ def store_block(typingctx, block, n, out, row0, col0, M):
     return sig, codegen
 
 
-def _regroup_kernel(biased: bool):
-    """kern(xq, g, xg): rows 16g .. 16g+15 of xq (M, K) int8 (those below M) into xg[g], the bytes as
-    (K4, 16, 4) with K4 >= K/4 dwords, as x + 128 when biased (the unsigned operand of vpdpbusd). A
-    1 KB block of xg at a time, so its lines stay in L1; a last 32 bytes of a row (K % 64 == 32) fill
-    half a block."""
+def _regroup_kernel(biased: bool, L: int = 16):
+    """kern(xq, g, xg): rows Lg .. Lg+L-1 of xq (M, K) int8 (those below M) into xg[g], the bytes as
+    (K4, L, 4) with K4 >= K/4 dwords, as x + 128 when biased (the unsigned operand of vpdpbusd); L =
+    16 (512-bit registers) or 8 (256-bit). A block of L dwords of every row at a time, so its lines
+    stay in L1; with L = 16 a last 32 bytes of a row (K % 64 == 32) fill half a block."""
     unit = 4                                       # elements per dword
+    VB = ir.VectorType(ir.IntType(8), 4 * L)       # a row's bytes of one block
+    VL = ir.VectorType(i32, L)
 
     def kern(typingctx, xq, g, xg):
         sig = types.void(xq, g, xg)
@@ -75,43 +77,46 @@ def _regroup_kernel(biased: bool):
             gv = args[1]
             M = builder.extract_value(xa.shape, 0)
             K = builder.extract_value(xa.shape, 1)
-            base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(builder.extract_value(ya.shape, 1), c64(64)))])
-            n = builder.sub(M, builder.mul(gv, c64(16)))
-            n = builder.select(builder.icmp_signed("<", n, c64(16)), n, c64(16))
-            step = 16 * unit                           # elements per block of 16 dwords
+            base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(builder.extract_value(ya.shape, 1), c64(4 * L)))])
+            n = builder.sub(M, builder.mul(gv, c64(L)))
+            n = builder.select(builder.icmp_signed("<", n, c64(L)), n, c64(L))
+            step = L * unit                            # elements per block of L dwords
             with cgutils.for_range_slice(builder, c64(0), K, c64(step)) as (k, _):
                 full = builder.icmp_signed("<=", builder.add(k, c64(step)), K)
                 with cgutils.for_range(builder, n) as rl:
                     r = rl.index
-                    src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(16)), r), K)])
+                    src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(L)), r), K)])
                     dst = builder.gep(base, [builder.mul(r, c64(4))])
-                    with builder.if_else(full) as (whole, half):
-                        with whole:
-                            v64 = vload(builder, builder.gep(src, [k]), V64B)
-                            at_whole = builder.block
-                        with half:                     # the row's last 32 bytes, the rest zero
-                            v32 = vload(builder, builder.gep(src, [k]), V32B)
-                            v32 = builder.shuffle_vector(v32, ir.Constant(V32B, [0] * 32), ir.Constant(ir.VectorType(i32, 64), list(range(64))))
-                            at_half = builder.block
-                    v = builder.phi(V64B)
-                    v.add_incoming(v64, at_whole)
-                    v.add_incoming(v32, at_half)
+                    if L == 8:                         # K % 32 == 0: every block whole
+                        v = vload(builder, builder.gep(src, [k]), VB)
+                    else:
+                        with builder.if_else(full) as (whole, half):
+                            with whole:
+                                v64 = vload(builder, builder.gep(src, [k]), V64B)
+                                at_whole = builder.block
+                            with half:                     # the row's last 32 bytes, the rest zero
+                                v32 = vload(builder, builder.gep(src, [k]), V32B)
+                                v32 = builder.shuffle_vector(v32, ir.Constant(V32B, [0] * 32), ir.Constant(ir.VectorType(i32, 64), list(range(64))))
+                                at_half = builder.block
+                        v = builder.phi(V64B)
+                        v.add_incoming(v64, at_whole)
+                        v.add_incoming(v32, at_half)
                     if biased:
-                        v = builder.xor(v, ir.Constant(V64B, [0x80] * 64))
-                    v = builder.bitcast(v, V16I)
-                    for e in range(16):                    # dword k/unit + e -> 64 (k/unit + e) + 4r
-                        at = builder.mul(builder.add(builder.sdiv(k, c64(unit)), c64(e)), c64(64))
+                        v = builder.xor(v, ir.Constant(VB, [0x80] * (4 * L)))
+                    v = builder.bitcast(v, VL)
+                    for e in range(L):                     # dword k/unit + e -> 4L (k/unit + e) + 4r
+                        at = builder.mul(builder.add(builder.sdiv(k, c64(unit)), c64(e)), c64(4 * L))
                         builder.store(builder.extract_element(v, c32(e)),
                                       builder.bitcast(builder.gep(dst, [at]), i32.as_pointer()), align=1)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    kern.__name__ = f"regroup16_bytes{'_biased' if biased else ''}"
+    kern.__name__ = f"regroup{L}_bytes{'_biased' if biased else ''}"
     return intrinsic(kern)
 
 
-_regroup_bytes, _regroup_biased = _regroup_kernel(False), _regroup_kernel(True)
+_regroup_bytes, _regroup_biased, _regroup8_biased = _regroup_kernel(False), _regroup_kernel(True), _regroup_kernel(True, 8)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -128,60 +133,20 @@ def regroup_bytes(xq):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def regroup_biased(xq):
-    """q8_0 or q8_K rows (M, K), K % 32 == 0 -> (G, K4, 16, 4) uint8 x + 128: rows 16g .. 16g+15 in the
-    lanes, K4 = K/4 rounded up to whole 16-dword blocks (the padding, and rows past M, 128: zero;
-    the regroup writes a half block's padding itself)."""
+def regroup_biased(xq, L=16):
+    """q8_0 or q8_K rows (M, K), K % 32 == 0 -> (G, K4, L, 4) uint8 x + 128: rows Lg .. Lg+L-1 in the
+    lanes (L = 16, or 8 with K % 32 == 0 whole blocks), K4 = K/4 rounded up to whole L-dword blocks
+    (the padding, and rows past M, 128: zero; the regroup writes a half block's padding itself)."""
     M, K = xq.shape
-    G = -(-M // 16)
-    xg = np.empty((G, -(-K // 64) * 16, 16, 4), np.uint8)
+    G = -(-M // L)
+    xg = np.empty((G, -(-K // (4 * L)) * L, L, 4), np.uint8)
     for g in prange(G):
-        if M - 16 * g < 16:
+        if M - L * g < L:
             xg[g] = 128
-        _regroup_biased(xq, g, xg)
-    return xg
-
-
-@intrinsic
-def _regroup8_biased(typingctx, xq, g, xg):
-    """Rows 8g .. 8g+7 of xq (M, K) int8, K % 32 == 0 (those below M), into xg[g] (K/4, 8, 4) as x + 128."""
-    sig = types.void(xq, g, xg)
-
-    def codegen(context, builder, signature, args):
-        xa, _, ya = (array(context, builder, signature.args[k], args[k]) if k != 1 else None for k in range(3))
-        gv = args[1]
-        M = builder.extract_value(xa.shape, 0)
-        K = builder.extract_value(xa.shape, 1)
-        base = builder.gep(byte_ptr(builder, ya.data), [builder.mul(gv, builder.mul(builder.extract_value(ya.shape, 1), c64(32)))])
-        n = builder.sub(M, builder.mul(gv, c64(8)))
-        n = builder.select(builder.icmp_signed("<", n, c64(8)), n, c64(8))
-        with cgutils.for_range_slice(builder, c64(0), K, c64(32)) as (k, _):      # 8 dwords of a row
-            with cgutils.for_range(builder, n) as rl:
-                r = rl.index
-                src = builder.gep(byte_ptr(builder, xa.data), [builder.mul(builder.add(builder.mul(gv, c64(8)), r), K)])
-                v = builder.xor(vload(builder, builder.gep(src, [k]), V32B), ir.Constant(V32B, [0x80] * 32))
-                v = builder.bitcast(v, ir.VectorType(i32, 8))
-                dst = builder.gep(base, [builder.mul(r, c64(4))])
-                for e in range(8):                     # dword k/4 + e -> 32 (k/4 + e) + 4r
-                    at = builder.mul(builder.add(builder.sdiv(k, c64(4)), c64(e)), c64(32))
-                    builder.store(builder.extract_element(v, c32(e)),
-                                  builder.bitcast(builder.gep(dst, [at]), i32.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def regroup_biased8(xq):
-    """q8_K rows (M, K), K % 32 == 0 -> (G, K/4, 8, 4) uint8 x + 128: rows 8g .. 8g+7 in the lanes
-    (rows past M 128: zero)."""
-    M, K = xq.shape
-    G = -(-M // 8)
-    xg = np.empty((G, K // 4, 8, 4), np.uint8)
-    for g in prange(G):
-        if M - 8 * g < 8:
-            xg[g] = 128
-        _regroup8_biased(xq, g, xg)
+        if L == 16:
+            _regroup_biased(xq, g, xg)
+        else:
+            _regroup8_biased(xq, g, xg)
     return xg
 
 

@@ -55,6 +55,24 @@ PANEL_BYTES = 512 << 10      # the unpacked panel (rows x K bytes) stays in L2 b
 PROMPT_MIN_ROWS = 10 if WIDE else 8
 
 
+def _each_block(builder, wa, r0v, nr, nb, block_bytes, decode, mins, da, dma, mna, body):
+    """The unpackers' loop: for rows r < nr (GGUF row r0 + r of wa) and super-blocks b, decode the
+    block, store its d at (r, b) of da (with mins also dmin into dma and the 16 minimums into mna),
+    then body(r, b, rb = r*nb + b, qs, ws, ss) stores the rest."""
+    with cgutils.for_range(builder, nr) as rl:
+        r = rl.index
+        src = builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(r0v, r), builder.extract_value(wa.strides, 0))])
+        with cgutils.for_range(builder, nb) as bl:
+            b = bl.index
+            rb = builder.add(builder.mul(r, nb), b)
+            qs, ws, ss, dw, dmin, mn = decode(builder, builder.gep(src, [builder.mul(b, c64(block_bytes))]))
+            builder.store(dw, builder.gep(da.data, [rb]))
+            if mins:
+                builder.store(dmin, builder.gep(dma.data, [rb]))
+                vstore(builder, mn, builder.gep(byte_ptr(builder, mna.data), [builder.mul(rb, c64(32))]))
+            body(r, b, rb, qs, ws, ss)
+
+
 def lane_unpack16(name: str, block_bytes: int, decode, signed: bool, mins: bool):
     """AMX's unpacker (w, r0, n_rows, wp, dwp, dmp, mnp): GGUF rows r0 .. r0+n_rows-1 of a type on
     kernels.cpu.qdot.lanes (or Q6_K, q6_k.decode_signed) -> wp (P, K) int16 and dwp (P, nb) d, from
@@ -73,21 +91,15 @@ def lane_unpack16(name: str, block_bytes: int, decode, signed: bool, mins: bool)
             nb = builder.extract_value(da.shape, 1)
             K = builder.extract_value(pa.shape, 1)
             halves = ir.Constant(ir.VectorType(i32, 32), [0] * 16 + [8] * 16)
-            with cgutils.for_range(builder, nr) as rl:
-                r = rl.index
-                src = builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(r0v, r), builder.extract_value(wa.strides, 0))])
+
+            def body(r, b, rb, qs, ws, ss):
                 dst = builder.gep(byte_ptr(builder, pa.data), [builder.mul(r, builder.mul(K, c64(2)))])
-                with cgutils.for_range(builder, nb) as bl:
-                    b = bl.index
-                    qs, ws, ss, dw, dmin, mn = decode(builder, builder.gep(src, [builder.mul(b, c64(block_bytes))]))
-                    builder.store(dw, builder.gep(da.data, [builder.add(builder.mul(r, nb), b)]))
-                    if mins:
-                        builder.store(dmin, builder.gep(dma.data, [builder.add(builder.mul(r, nb), b)]))
-                        vstore(builder, mn, builder.gep(byte_ptr(builder, mna.data), [builder.mul(builder.add(builder.mul(r, nb), b), c64(32))]))
-                    for c in range(8):
-                        v = builder.sext(ws[c], V32S) if signed else builder.zext(qs[c], V32S)
-                        wv = builder.mul(v, builder.shuffle_vector(ss[c], ss[c], halves))
-                        vstore(builder, wv, builder.gep(dst, [builder.mul(builder.add(builder.mul(b, c64(256)), c64(32 * c)), c64(2))]))
+                for c in range(8):
+                    v = builder.sext(ws[c], V32S) if signed else builder.zext(qs[c], V32S)
+                    wv = builder.mul(v, builder.shuffle_vector(ss[c], ss[c], halves))
+                    vstore(builder, wv, builder.gep(dst, [builder.mul(builder.add(builder.mul(b, c64(256)), c64(32 * c)), c64(2))]))
+
+            _each_block(builder, wa, r0v, nr, nb, block_bytes, decode, mins, da, dma, mna, body)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -143,28 +155,22 @@ def lane_unpack_bytes(name: str, block_bytes: int, decode, signed: bool, mins: b
             K = builder.extract_value(pa.shape, 1)
             V32I = ir.VectorType(i32, 32)
             halves = ir.Constant(V32I, [0] * 16 + [8] * 16)
-            with cgutils.for_range(builder, nr) as rl:
-                r = rl.index
-                src = builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(r0v, r), builder.extract_value(wa.strides, 0))])
+
+            def body(r, b, rb, qs, ws, ss):
                 dst = builder.gep(byte_ptr(builder, pa.data), [builder.mul(r, K)])
-                with cgutils.for_range(builder, nb) as bl:
-                    rb = builder.add(builder.mul(r, nb), bl.index)
-                    qs, ws, ss, dw, dmin, mn = decode(builder, builder.gep(src, [builder.mul(bl.index, c64(block_bytes))]))
-                    builder.store(dw, builder.gep(da.data, [rb]))
-                    if mins:
-                        builder.store(dmin, builder.gep(dma.data, [rb]))
-                        vstore(builder, mn, builder.gep(byte_ptr(builder, mna.data), [builder.mul(rb, c64(32))]))
-                    total = ir.Constant(i32, 0)
-                    for c in range(8):
-                        v = ws[c] if signed else qs[c]
-                        vstore(builder, v, builder.gep(dst, [builder.add(builder.mul(bl.index, c64(256)), c64(32 * c))]))
-                        for h in range(2):
-                            sc = builder.sext(builder.extract_element(ss[c], c32(8 * h)), i32)
-                            builder.store(sc, builder.gep(sa.data, [builder.add(builder.mul(rb, c64(16)), c64(2 * c + h))]))
-                        v32 = builder.sext(v, V32I) if signed else builder.zext(v, V32I)
-                        wv = builder.mul(v32, builder.sext(builder.shuffle_vector(ss[c], ss[c], halves), V32I))
-                        total = builder.add(total, call(builder, "llvm.vector.reduce.add.v32i32", i32, [wv]))
-                    builder.store(builder.mul(total, ir.Constant(i32, 128)), builder.gep(ca.data, [rb]))
+                total = ir.Constant(i32, 0)
+                for c in range(8):
+                    v = ws[c] if signed else qs[c]
+                    vstore(builder, v, builder.gep(dst, [builder.add(builder.mul(b, c64(256)), c64(32 * c))]))
+                    for h in range(2):
+                        sc = builder.sext(builder.extract_element(ss[c], c32(8 * h)), i32)
+                        builder.store(sc, builder.gep(sa.data, [builder.add(builder.mul(rb, c64(16)), c64(2 * c + h))]))
+                    v32 = builder.sext(v, V32I) if signed else builder.zext(v, V32I)
+                    wv = builder.mul(v32, builder.sext(builder.shuffle_vector(ss[c], ss[c], halves), V32I))
+                    total = builder.add(total, call(builder, "llvm.vector.reduce.add.v32i32", i32, [wv]))
+                builder.store(builder.mul(total, ir.Constant(i32, 128)), builder.gep(ca.data, [rb]))
+
+            _each_block(builder, wa, r0v, nr, nb, block_bytes, decode, mins, da, dma, mna, body)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -290,7 +296,7 @@ def operands(ggml_type, q, L):
     """A prompt's q8_K rows (qdot.Q8Buffers) as _prompt takes them, L (16 or 8) to a register: the
     rows + 128 and their scales, and for Q2_K's and Q5_K's minimums their 16-element sums as int16
     pairs."""
-    xb = rows16.regroup_biased(q.xq) if L == 16 else rows16.regroup_biased8(q.xq)
+    xb = rows16.regroup_biased(q.xq, L)
     mins = ggml_type == T.Q2_K or ggml_type == T.Q5_K
     bs = rows16.lanes(q.bs16.view(np.int32), L) if mins else np.zeros((0, 0, L), np.int32)
     return xb, rows16.lanes(q.dxk, L), bs
