@@ -31,6 +31,7 @@ from core.kv_cache import Sequence
 from core.request import Request, check_prompt
 from core.sampler import Sampler
 from core.types import SamplingParams, Timings
+from kernels.types import prompt_pieces
 from models.errors import BadInputError
 
 DEFAULT_PARALLEL = 16   # the best of 8, 16 and 32 on qwen 0.5B, 2 cores (README: measured)
@@ -80,6 +81,7 @@ class _Active:
         self.state.timings.cache_disk_n = seq.n_restored
         self.todo = list(req.prompt_ids[self.cache_n:])
         self.prompt_n = len(self.todo)
+        self.cuts = prompt_pieces(self.prompt_n, PREFILL_CHUNK)
         self.sampler = Sampler(req.params, backend.tokenizer.n_vocab, backend.tokenizer)
         self.sampler.remember(req.prompt_ids)
         self.pieces: list[str] = []
@@ -89,7 +91,7 @@ class _Active:
         """The tokens this sequence runs in the next step: a prefill chunk (the same chunks as
         core.generate) or the last sampled token. [] when the prefill budget is spent."""
         if self.todo:
-            n = min(PREFILL_CHUNK, len(self.todo))
+            n = self.cuts[0]
             return self.todo[:n] if n <= budget else []
         return [self.next_token]
 
@@ -220,6 +222,7 @@ class BatchScheduler:
         for (a, ids), row in zip(ran, logits):
             if a.todo:
                 del a.todo[:len(ids)]
+                a.cuts.pop(0)
                 if a.todo:
                     continue
                 a.state.prompt_read(a.prompt_n, a.cache_n, now)

@@ -17,12 +17,15 @@ import numpy as np
 from core.request import Request, check_prompt, partial_match_len
 from core.sampler import Sampler
 from core.types import SamplingParams, SpeculativeConfig, TokenEvent
+from kernels.types import prompt_pieces
 from models.errors import BadInputError
 
 if TYPE_CHECKING:
     from core.backend import Backend
 
-PREFILL_CHUNK = 256  # prompt tokens per forward call: the granularity at which prefill can be cancelled
+# Prompt tokens per forward call at most: the granularity at which prefill can be cancelled. The
+# calls are llama.cpp's batches cut so that every row keeps its arithmetic (types.prompt_pieces).
+PREFILL_CHUNK = 256
 MAX_BACKOFFS = 1000
 
 
@@ -59,17 +62,19 @@ def generate(backend: "Backend", prompt_ids: Sequence[int], params: SamplingPara
     sampler.remember(prompt_ids)
     plain = not speculating and not params.banned
     logits = first = None
-    for start in range(0, len(todo), PREFILL_CHUNK):
+    start = 0
+    for n in prompt_pieces(len(todo), PREFILL_CHUNK):
         if cancel.is_set():
             req.timings.cache_n = cache_n
             req.cancel(during_prefill_done=start)
             return _finish(backend, req)
-        chunk = todo[start:start + PREFILL_CHUNK]
-        if plain and start + PREFILL_CHUNK >= len(todo):
+        chunk = todo[start:start + n]
+        start += n
+        if plain and start == len(todo):
             first = backend.extend_sample(chunk, sampler)     # plain decoding samples where the logits are
         else:
             logits = backend.extend(chunk)
-        stats.prefill_done = min(start + PREFILL_CHUNK, len(todo))
+        stats.prefill_done = start
         stats.n_past = cache_n + stats.prefill_done
     drafter = None
     if speculative is not None and speculative.method == "draft":

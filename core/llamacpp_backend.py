@@ -13,6 +13,7 @@ import numpy as np
 
 from core.backend import Backend, Capabilities
 from core.tokenizer import Tokenizer
+from kernels.types import LLAMA_BATCH
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
 
@@ -28,7 +29,7 @@ class LlamaCppBackend(Backend):
         threads = threads or os.cpu_count() or 1
         try:
             # YaRN's betas -1: the file's (llama.cpp's own default; llama-cpp-python's would force 32 and 1)
-            self.llm = llama_cpp.Llama(model_path=str(gguf.path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+            self.llm = llama_cpp.Llama(model_path=str(gguf.path), n_ctx=n_ctx, n_batch=LLAMA_BATCH, n_threads=threads,
                                        n_threads_batch=threads, logits_all=logits_all, verbose=False,
                                        yarn_beta_fast=-1.0, yarn_beta_slow=-1.0)
         except (ValueError, RuntimeError) as e:

@@ -14,6 +14,7 @@ from core.backend import Capabilities, PagedBackend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from core.paths import weights_cache_dir
 from core.tokenizer import Tokenizer
+from kernels.types import LLAMA_BATCH
 from models.errors import BadInputError
 from models.gguf_file import GGUFFile
 from models.architectures import load_model
@@ -160,7 +161,7 @@ class NativeBackend(PagedBackend):
         self._set_torch_threads()
         return logits
 
-    def logits_all(self, ids: Sequence[int], chunk: int = 512) -> np.ndarray:
+    def logits_all(self, ids: Sequence[int], chunk: int = LLAMA_BATCH) -> np.ndarray:
         """Logits at every position of `ids` from an empty cache: (T, n_vocab). Tests compare it."""
         self.seq.release()
         out = []

@@ -17,6 +17,7 @@ import numpy as np
 from core.backend import Capabilities, PagedBackend
 from core.kv_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 from core.tokenizer import Tokenizer
+from kernels.types import LLAMA_BATCH
 from models.architectures import load_config
 from models.errors import BadInputError, env_choice
 from models.gguf_file import GGUFFile
@@ -188,7 +189,7 @@ class TorchBackend(PagedBackend):
     def forward_batch(self, runs) -> np.ndarray:
         return self._forward([(seq, list(ids)) for seq, ids in runs])
 
-    def logits_all(self, ids: Sequence[int], chunk: int = 512) -> np.ndarray:
+    def logits_all(self, ids: Sequence[int], chunk: int = LLAMA_BATCH) -> np.ndarray:
         """Logits at every position of `ids` from an empty cache: (T, n_vocab). Tests compare it."""
         self.seq.release()
         return np.concatenate([self._forward([(self.seq, list(ids[s:s + chunk]))], all_rows=True)

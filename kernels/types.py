@@ -88,3 +88,33 @@ X8 = np.array([TRAITS[i].x8 if i in TRAITS else False for i in range(max(TRAITS)
 def type_name(ggml_type: int) -> str:
     t = TRAITS.get(ggml_type)
     return t.name if t else f"type {ggml_type}"
+
+
+# --- llama.cpp's batches ------------------------------------------------------------------------
+# Its arithmetic for a row depends on how many rows the batch holding it has (ggml-cpu's mul_mat):
+# the tiled types (TypeTraits.tiled) take their tiled kernel in a batch of TILED_MIN_ROWS rows or
+# more and their vec_dot below; repacked Q4_K takes a batch's rows GEMM_ROWS at a time through its
+# gemm and its last n % GEMM_ROWS rows through its gemv. The other types' kernels give every batch
+# size the same numbers.
+LLAMA_BATCH = 512        # llama.cpp's default n_batch and n_ubatch (llama-cpp-python's eval: logits_all)
+TILED_MIN_ROWS = 8
+GEMM_ROWS = 4
+
+
+def prompt_pieces(n: int, most: int) -> list[int]:
+    """n prompt rows as pieces of at most `most` rows (fed one after another) in which every row gets
+    the arithmetic llama.cpp gives it in its batches of LLAMA_BATCH rows: a batch longer than `most`
+    is cut at multiples of GEMM_ROWS, with at least TILED_MIN_ROWS rows in its last piece. (Cut at
+    256 a batch of 260 would leave 4 rows on the K-quants' vec_dot, which llama.cpp tiles.)"""
+    if most < 2 * TILED_MIN_ROWS or most % GEMM_ROWS:
+        raise ValueError(f"pieces of {most} rows cannot keep llama.cpp's batches")
+    pieces: list[int] = []
+    for start in range(0, n, LLAMA_BATCH):
+        m = min(LLAMA_BATCH, n - start)
+        cut = [most] * (m // most) + ([m % most] if m % most else [])
+        if len(cut) > 1 and cut[-1] < TILED_MIN_ROWS:      # move whole groups of rows to the last piece
+            moved = -(-(TILED_MIN_ROWS - cut[-1]) // GEMM_ROWS) * GEMM_ROWS
+            cut[-2] -= moved
+            cut[-1] += moved
+        pieces += cut
+    return pieces

@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 from core.chat_session import fit_prompt
+from core.generate import PREFILL_CHUNK
 from core.request import split_at_stop
 from core.types import SamplingParams
 from core.engine import Engine
+from kernels.types import GEMM_ROWS, LLAMA_BATCH, TILED_MIN_ROWS, prompt_pieces
 from models.errors import BadInputError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -110,3 +112,24 @@ def test_seeded_sampling_is_reproducible(engine):
     other = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0, seed=99, max_tokens=12)
     engine.backend.reuse_prefix([-1, -1])
     assert collect(engine.generate(ids, other))[0] != runs[0]     # and the seed matters
+
+
+def _arithmetic(batch: int, i: int) -> tuple[bool, bool]:
+    """What llama.cpp computes row i of a batch of `batch` rows with: (the tiled types' tiled
+    kernel, Q4_K's gemm)."""
+    return batch >= TILED_MIN_ROWS, batch >= GEMM_ROWS and i < batch - batch % GEMM_ROWS
+
+
+@pytest.mark.parametrize("most", [PREFILL_CHUNK, 16, 100])
+def test_prompt_pieces_keep_every_rows_arithmetic(most):
+    """generate feeds a prompt in pieces of at most PREFILL_CHUNK rows; each row must get the
+    arithmetic llama.cpp's batches of LLAMA_BATCH give it (the oracle's logits_all), for every length."""
+    for n in range(0, 3 * LLAMA_BATCH + 20):
+        pieces = prompt_pieces(n, most)
+        assert sum(pieces) == n and all(0 < p <= most for p in pieces), (n, pieces)
+        ours = [_arithmetic(p, i) for p in pieces for i in range(p)]
+        theirs = [_arithmetic(min(LLAMA_BATCH, n - s), i) for s in range(0, n, LLAMA_BATCH)
+                  for i in range(min(LLAMA_BATCH, n - s))]
+        assert ours == theirs, (n, pieces)
+    with pytest.raises(ValueError):
+        prompt_pieces(100, 10)

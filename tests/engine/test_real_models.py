@@ -97,6 +97,21 @@ def test_native_tracks_llama_cpp(engines):
     assert tf_rows >= 0.98 * total, summary
 
 
+def test_a_prompt_through_generate_keeps_llama_cpps_batches(engines):
+    """The chat path (generate) feeds a prompt in pieces of at most PREFILL_CHUNK tokens, cut where
+    every row keeps the arithmetic of llama.cpp's batches of 512 (types.prompt_pieces): after a
+    prompt of 260 tokens through generate, 8 more give llama.cpp's logits_all of all 268 bit for bit
+    (a batch of 268 gives every row the tiled and gemm arithmetic, as the pieces 252, 8 and 8 do).
+    Cut at 256, the prompt's last 4 rows took the K-quants' vec_dot instead, and these logits moved
+    by up to 0.25."""
+    eng, native, batched = engines
+    ids = [int(t) for t in np.random.default_rng(7).integers(100, 20000, 268)]
+    native.reset()
+    events = list(native.generate(ids[:260], SamplingParams(temperature=0, max_tokens=1)))
+    assert native.seq.n_tokens == 260 and [e.id for e in events if e.id >= 0], (native.seq.n_tokens, events)
+    np.testing.assert_array_equal(native.extend(ids[260:]), batched.logits_all(ids)[-1])
+
+
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_K_M", "F16", "BF16",
                                    "Q3_K_M", "Q2_K", "IQ4_XS"])
 def test_requantized_registry_model_is_bit_exact(ftype, qwen_path):

@@ -9,6 +9,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
+from kernels.types import GEMM_ROWS
 from kernels.cpu.qdot.rows16 import V32S, store_lanes
 from kernels.cpu.simd import (
     VNNI, WIDE, V8F, Chains, add_to, prefetch, V8I, V16B, V16F, V16I, V16S, V32B, V8H, array, byte_ptr, c64, call, dot4, f32, fma, i32, load_as,
@@ -180,7 +181,7 @@ def _q4_k_rows(wx8, xq, dx, bsp, run_start, run_len, run_batched, out):
     chunk = max(4, X_CHUNK_BYTES // K // 4 * 4)
     for r in range(run_start.shape[0]):
         r0, n = run_start[r], run_len[r]
-        n_gemm = n - n % 4 if (run_batched[r] and n > 3) else 0
+        n_gemm = n - n % GEMM_ROWS if (run_batched[r] and n >= GEMM_ROWS) else 0
         for c0 in range(r0, r0 + n, chunk):
             c1 = min(r0 + n, c0 + chunk)
             for g in prange(wx8.shape[0]):
@@ -341,7 +342,7 @@ def wide_gemm_rows(run_start, run_len, run_batched):
     registers; else 0 (the rows go to _q4_k_rows)."""
     if not WIDE or run_start.shape[0] != 1 or not run_batched[0]:
         return 0
-    n = run_len[0] - run_len[0] % 4
+    n = run_len[0] - run_len[0] % GEMM_ROWS
     return n if n >= Q4K_PROMPT_MIN_ROWS else 0
 
 
