@@ -284,24 +284,24 @@ def test_bf16_prompt_tiles_keep_the_bits_beside_subnormal_products(tiny_in):
     """Where the CPU has AVX512_BF16, BF16 prompt tiles run on vdpbf16ps, which treats subnormal
     inputs and results as zero where llama.cpp's fma keeps them (kernels/cpu/qdot/dense.py): a
     weight row of 2^-130s, or an activation row of them, makes outputs that are sums of subnormal
-    products. The tile (or the chunk of rows) holding one takes the fma kernels, so those outputs
-    are llama.cpp's nonzero numbers and every other output is unchanged. Without the check they
-    come out 0."""
+    products. The tile (or the group of activation rows) holding one takes the fma kernels, so those
+    outputs are llama.cpp's nonzero numbers and every other output is unchanged. Without the check
+    they come out 0. 22 rows: groups of 4 pairs and single pairs, the tiny row in the second group."""
     rng = np.random.default_rng(11)
-    N, K, M = 16, 256, 10
+    N, K, M = 16, 256, 22
     w = ref.round_activation_ref(rng.standard_normal((N, K)).astype(np.float32), T.BF16)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w[2, ::3] = 0.0                                   # zeros are not small: they never leave the tiles
     if tiny_in == "weights":
         w[5] = np.float32(2.0 ** -130) * np.sign(rng.standard_normal(K)).astype(np.float32)
     elif tiny_in == "activations":
-        x[3] = np.float32(2.0 ** -130) * np.sign(rng.standard_normal(K)).astype(np.float32)
+        x[11] = np.float32(2.0 ** -130) * np.sign(rng.standard_normal(K)).astype(np.float32)
     raw = np.ascontiguousarray((w.view(np.uint32) >> 16).astype("<u2")).view(np.uint8).reshape(N, 2 * K)
     qm = QMatrix(raw, T.BF16, N, K)
     rows = Int8Rows(x, TRAITS[T.BF16].vec_dot)
     got = qm.matmul_int8(rows)
     np.testing.assert_array_equal(got.view(np.uint32), _expected(T.BF16, raw, K, rows, [(0, M, True)]).view(np.uint32))
-    tiny_outputs = {"weights": got[:, 5], "activations": got[3], "neither": got[:, 0]}[tiny_in]
+    tiny_outputs = {"weights": got[:, 5], "activations": got[11], "neither": got[:, 0]}[tiny_in]
     assert np.all(tiny_outputs != 0) and (tiny_in == "neither" or np.all(np.abs(tiny_outputs) < 2.0 ** -110))
 
 

@@ -29,7 +29,7 @@ where every nonzero weight and activation is at least 2^-56 in magnitude: each i
 of 2^-63, each product a multiple of 2^-126 and at least 2^-112, and so is every sum of them, which
 is 0 or a normal float. So the kernel checks: the weights of a tile in its first pass over K, the
 activations as they are packed; where any is smaller (a gate far below zero gives SiLU products
-near 2^-60), that tile or chunk takes the fma kernels.
+near 2^-60), that tile, or that group of activation rows, takes the fma kernels.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels import types as T
-from kernels.cpu.qdot.common import PREFETCH, X_CHUNK_BYTES
+from kernels.cpu.qdot.common import PREFETCH
 from kernels.cpu.simd import (
     BF16DP, V8F, V8H, V8I, V16F, V16I, V16S, WIDE, array, byte_ptr, c32, c64, call, dpbf16, fma, hsum8, hsum8_pairs, i16, i32, not_this_variant,
     prefetch, reduce4x8, vload,
@@ -49,6 +49,10 @@ from kernels.cpu.simd import (
 _ELEM_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
 TINY_MR = 4          # weight rows per tinyBLAS tile (it needs a multiple of 4 weight rows)
 TINY_NR = 4          # activation rows per tile
+# A prompt's activation rows per pass over W (as float32; the tiles read their pairs from L3). Each
+# pass streams all of W, from memory once W outgrows the L3 cache (the 1.5B's F16 and BF16 FFN
+# matrices: 27.5 MB), so the passes are few, not L2-sized (README: measured).
+DENSE_X_BYTES = 8 << 20
 
 
 def _load_w8(builder, ggml_type: int, p):
@@ -248,8 +252,8 @@ def _pair_rows(x, m0, n):
 def _pair_rows_bf16(x, m0, n):
     """Rows m0 .. m0+n-1 of x (M, K; float32 holding bf16 values) as vdpbf16ps operands, two rows to
     a register: (ceil(n/2), K/16, 16) uint32, lane 8h+e of step t the bf16 pair (x[r, 16t+e] upper,
-    x[r, 16t+8+e] lower) of row r = m0+2q+h (zeros past the last row). Also whether every nonzero
-    value is at least 2^-56 in magnitude (the module's docstring)."""
+    x[r, 16t+8+e] lower) of row r = m0+2q+h (zeros past the last row). Also, per pair, whether every
+    nonzero value is at least 2^-56 in magnitude (the module's docstring)."""
     K = x.shape[1]
     bits = x.view(np.uint32)
     xb = np.empty(((n + 1) // 2, K // 16, 16), np.uint32)
@@ -264,7 +268,7 @@ def _pair_rows_bf16(x, m0, n):
                     xb[q, t, 8 * h + e] = (hi << 16) | lo
                     if (0 < (hi & 0x7FFF) < TINY_BF16) or (0 < (lo & 0x7FFF) < TINY_BF16):
                         ok[q] = False
-    return xb, ok.all()
+    return xb, ok
 
 
 DENSE_TYPES = (T.F32, T.F16, T.BF16)
@@ -287,24 +291,31 @@ else:
 
 
 @njit(inline="always")
-def _bf16_dp_tiles(w, n0, xb, out, m0, m_end):
-    """The vdpbf16ps tiles for weight rows n0 .. n0+TINY_MR-1 and every row pair of xb; False (the
-    outputs not final) where the first pass found one of the rows' weights too small for them."""
+def _bf16_dp_tiles(w, n0, xb, x_ok, x, out, m0, m_end):
+    """Weight rows n0 .. n0+TINY_MR-1 times every row pair of xb (rows m0 .. m_end-1 of x) on the
+    vdpbf16ps tiles, a group of pairs holding an activation too small for them (x_ok: per pair) on
+    the fma tiles; False (the outputs not final) where the first vdpbf16ps pass found one of the
+    weight rows too small for them."""
     pairs = xb.shape[0]
-    if pairs >= TINY512_NP:
-        ok = bf16_dp512_check(w, n0, xb, 0, out, m0, m_end)
-        q = TINY512_NP
-    else:
-        ok = bf16_dp512_1_check(w, n0, xb, 0, out, m0, m_end)
-        q = 1
-    if not ok:
-        return False
-    while q + TINY512_NP <= pairs:
-        bf16_dp512(w, n0, xb, q, out, m0, m_end)
-        q += TINY512_NP
+    checked = False
+    q = 0
     while q < pairs:
-        bf16_dp512_1(w, n0, xb, q, out, m0, m_end)
-        q += 1
+        n_p = TINY512_NP if q + TINY512_NP <= pairs else 1
+        if not x_ok[q:q + n_p].all():
+            _tiny(T.BF16, w, n0, x, m0 + 2 * q, min(m_end, m0 + 2 * (q + n_p)) - m0 - 2 * q, out)
+        elif not checked:                                   # the weights' check rides on the first pass
+            checked = True
+            if n_p == TINY512_NP:
+                ok = bf16_dp512_check(w, n0, xb, q, out, m0, m_end)
+            else:
+                ok = bf16_dp512_1_check(w, n0, xb, q, out, m0, m_end)
+            if not ok:
+                return False
+        elif n_p == TINY512_NP:
+            bf16_dp512(w, n0, xb, q, out, m0, m_end)
+        else:
+            bf16_dp512_1(w, n0, xb, q, out, m0, m_end)
+        q += n_p
     return True
 
 
@@ -369,10 +380,10 @@ def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
     """F32 / F16 / BF16 rows w (N, K*bytes) x float rows x (M, K) -> out (M, N): a batched run of 2
     rows or more takes tinyBLAS's arithmetic if tiny_ok (the whole matrix has a multiple of 4 rows:
     llama.cpp's sgemm takes it; then N is one too), every other row vec_dot's. Activation rows in
-    chunks that stay in L2; prange over weight rows."""
+    chunks of up to DENSE_X_BYTES (as float32), each a pass over all of W; prange over weight rows."""
     M, K = x.shape
     N = w.shape[0]
-    chunk = max(TINY_NR, X_CHUNK_BYTES // (4 * K) // TINY_NR * TINY_NR)
+    chunk = max(TINY_NR, DENSE_X_BYTES // (4 * K) // TINY_NR * TINY_NR)
     for r in range(run_start.shape[0]):
         r0, n = run_start[r], run_len[r]
         if run_batched[r] and n >= 2 and tiny_ok:
@@ -380,11 +391,10 @@ def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
                 rows = min(r0 + n, c0 + chunk) - c0
                 if BF16DP and ggml_type == T.BF16:
                     xb, x_ok = _pair_rows_bf16(x, c0, rows)
-                    if x_ok:
-                        for t in prange(N // TINY_MR):
-                            if not _bf16_dp_tiles(w, t * TINY_MR, xb, out, c0, c0 + rows):
-                                _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
-                        continue
+                    for t in prange(N // TINY_MR):
+                        if not _bf16_dp_tiles(w, t * TINY_MR, xb, x_ok, x, out, c0, c0 + rows):
+                            _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
+                    continue
                 if WIDE:
                     xp = _pair_rows(x, c0, rows)
                     for t in prange(N // TINY_MR):
