@@ -10,6 +10,7 @@ import pytest
 from kernels.cpu import qdot
 from kernels.cpu.matmul import QMatrix
 from kernels.cpu.qdot import Int8Rows
+from kernels.cpu.qdot.dense import VEC_DOT2_K
 from kernels.cpu.quant import GGML_BLOCK, SUPPORTED_TYPES
 from kernels import types as T
 from kernels.types import TRAITS
@@ -277,6 +278,19 @@ def test_first_rows_of_a_ragged_dense_matrix(ggml_type, n_out):
     got = qm.matmul_int8(rows, n_out)
     np.testing.assert_array_equal(got, _expected(ggml_type, raw, 256, rows, [(0, 3, True)])[:, :n_out])
     np.testing.assert_array_equal(got, qm.matmul_int8(rows)[:, :n_out])
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=_name)
+def test_one_row_products_of_long_float_rows(ggml_type):
+    """Rows of VEC_DOT2_K elements or more take two weight rows per pass over x (an odd last row
+    alone): every output is still ggml_vec_dot's, for single rows and rows decoded side by side."""
+    rng = np.random.default_rng(ggml_type + 77)
+    n_rows, n_cols = 7, VEC_DOT2_K + 256
+    raw = random_quantized(ggml_type, n_rows, n_cols, rng)
+    qm = QMatrix(raw, ggml_type, n_rows, n_cols)
+    rows = Int8Rows(rng.standard_normal((3, n_cols)).astype(np.float32), TRAITS[ggml_type].vec_dot)
+    runs = [(0, 1, False), (1, 2, False)]
+    np.testing.assert_array_equal(qm.matmul_int8(rows, runs=runs), _expected(ggml_type, raw, n_cols, rows, runs))
 
 
 @pytest.mark.parametrize("tiny_in", ["weights", "activations", "neither"])

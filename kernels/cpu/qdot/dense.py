@@ -53,6 +53,10 @@ TINY_NR = 4          # activation rows per tile
 # pass streams all of W, from memory once W outgrows the L3 cache (the 1.5B's F16 and BF16 FFN
 # matrices: 27.5 MB), so the passes are few, not L2-sized (README: measured).
 DENSE_X_BYTES = 8 << 20
+# One-row products with rows this long or longer take two weight rows per pass over x: their x (as
+# float32, 16 KB or more) shares L1 with the weights' stream, and read once per row it slowed the
+# stream (README: measured); shorter rows stream faster one at a time (two streams a thread).
+VEC_DOT2_K = 4096
 
 
 def _load_w8(builder, ggml_type: int, p):
@@ -65,9 +69,10 @@ def _load_w8(builder, ggml_type: int, p):
     return builder.bitcast(builder.shl(raw, ir.Constant(V8I, [16] * 8)), V8F)
 
 
-def _dense_vec_dot_kernel(ggml_type: int):
-    """kern(w, n, x, m, out): out[m, n] = ggml_vec_dot_<type>(W row n, x row m); w (N, K*bytes)
-    uint8, x (M, K) float32, out (M, N) float32."""
+def _dense_vec_dot_kernel(ggml_type: int, RN: int):
+    """kern(w, n, x, m, out): out[m, n + r] = ggml_vec_dot_<type>(W row n + r, x row m) for r < RN;
+    w (N, K*bytes) uint8, x (M, K) float32, out (M, N) float32. Each x vector loaded serves the RN
+    rows (RN = 2: VEC_DOT2_K)."""
     eb = _ELEM_BYTES[ggml_type]
 
     def kern(typingctx, w, n, x, m, out):
@@ -79,28 +84,32 @@ def _dense_vec_dot_kernel(ggml_type: int):
             nv, mv = args[1], args[3]
             K = builder.extract_value(xa.shape, 1)
             N = builder.extract_value(oa.shape, 1)
-            wrow = builder.gep(byte_ptr(builder, wa.data), [builder.mul(nv, builder.extract_value(wa.strides, 0))])
+            wrow = [builder.gep(byte_ptr(builder, wa.data), [builder.mul(builder.add(nv, c64(r)), builder.extract_value(wa.strides, 0))])
+                    for r in range(RN)]
             xrow = builder.gep(xa.data, [builder.mul(mv, K)])
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(4)]
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(V8F, [0.0] * 8)) for _ in range(4)] for _ in range(RN)]
             with cgutils.for_range(builder, builder.udiv(K, c64(32))) as loop:
                 i = builder.mul(loop.index, c64(32))
-                wp = builder.gep(wrow, [builder.mul(i, c64(eb))])
-                prefetch(builder, builder.gep(wp, [c64(PREFETCH)]))
+                wp = [builder.gep(wrow[r], [builder.mul(i, c64(eb))]) for r in range(RN)]
+                for r in range(RN):
+                    prefetch(builder, builder.gep(wp[r], [c64(PREFETCH)]))
                 for j in range(4):
-                    wv = _load_w8(builder, ggml_type, builder.gep(wp, [c64(8 * j * eb)]))
                     xv = vload(builder, builder.gep(xrow, [builder.add(i, c64(8 * j))]), V8F)
-                    builder.store(fma(builder, wv, xv, builder.load(acc[j])), acc[j])
-            s = [builder.load(a) for a in acc]
-            if ggml_type == T.BF16:
-                res = hsum8(builder, builder.fadd(builder.fadd(s[0], s[2]), builder.fadd(s[1], s[3])))
-            else:
-                res = reduce4x8(builder, s)
-            builder.store(res, builder.gep(oa.data, [builder.add(builder.mul(mv, N), nv)]))
+                    for r in range(RN):
+                        wv = _load_w8(builder, ggml_type, builder.gep(wp[r], [c64(8 * j * eb)]))
+                        builder.store(fma(builder, wv, xv, builder.load(acc[r][j])), acc[r][j])
+            for r in range(RN):
+                s = [builder.load(a) for a in acc[r]]
+                if ggml_type == T.BF16:
+                    res = hsum8(builder, builder.fadd(builder.fadd(s[0], s[2]), builder.fadd(s[1], s[3])))
+                else:
+                    res = reduce4x8(builder, s)
+                builder.store(res, builder.gep(oa.data, [builder.add(builder.mul(mv, N), builder.add(nv, c64(r)))]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_vec_dot"
+    kern.__name__ = f"{T.TRAITS[ggml_type].name.lower()}_vec_dot_{RN}"
     return intrinsic(kern)
 
 
@@ -272,7 +281,8 @@ def _pair_rows_bf16(x, m0, n):
 
 
 DENSE_TYPES = (T.F32, T.F16, T.BF16)
-f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t) for t in DENSE_TYPES)
+f32_vec_dot, f16_vec_dot, bf16_vec_dot = (_dense_vec_dot_kernel(t, 1) for t in DENSE_TYPES)
+f32_vec_dot2, f16_vec_dot2, bf16_vec_dot2 = (_dense_vec_dot_kernel(t, 2) for t in DENSE_TYPES)
 f32_tiny, f16_tiny, bf16_tiny = (_dense_tiny_kernel(t, TINY_MR, TINY_NR) for t in DENSE_TYPES)
 f32_tiny_1, f16_tiny_1, bf16_tiny_1 = (_dense_tiny_kernel(t, TINY_MR, 1) for t in DENSE_TYPES)
 # With AVX-512 the tiles take two activation rows per register (TINY512_NP pairs per tile).
@@ -354,6 +364,17 @@ def _vec_dot(ggml_type, w, n, x, m, out):
 
 
 @njit(inline="always")
+def _vec_dot2(ggml_type, w, n, x, m, out):
+    """_vec_dot of weight rows n and n + 1."""
+    if ggml_type == T.F32:
+        f32_vec_dot2(w, n, x, m, out)
+    elif ggml_type == T.F16:
+        f16_vec_dot2(w, n, x, m, out)
+    else:
+        bf16_vec_dot2(w, n, x, m, out)
+
+
+@njit(inline="always")
 def _tiny(ggml_type, w, n0, x, m0, rows, out):
     """tinyBLAS tiles for weight rows n0 .. n0+TINY_MR-1 and `rows` activation rows from m0."""
     m = m0
@@ -402,6 +423,14 @@ def _dense_rows(ggml_type, w, x, run_start, run_len, run_batched, out, tiny_ok):
                 else:
                     for t in prange(N // TINY_MR):
                         _tiny(ggml_type, w, t * TINY_MR, x, c0, rows, out)
+        elif K >= VEC_DOT2_K:                   # long rows two at a time (and the last alone)
+            for pair in prange((N + 1) // 2):
+                row = 2 * pair
+                for m in range(r0, r0 + n):
+                    if row + 1 < N:
+                        _vec_dot2(ggml_type, w, row, x, m, out)
+                    else:
+                        _vec_dot(ggml_type, w, row, x, m, out)
         else:
             for row in prange(N):
                 for m in range(r0, r0 + n):
