@@ -136,7 +136,7 @@ class DecoderConfig:
                     yarn=tuple(map(float, rope_yarn_corr_dims(self.n_rot, self.rope_yarn_ctx, base, *self.yarn_betas))))
 
     def rope_table(self, positions: np.ndarray, base: float, freq_scale: float) -> np.ndarray:
-        """cos/sin (T, n_rot/2, 2) of these positions' rope angles at this base and frequency scale
+        """cos/sin (T, 2, n_rot/2) of these positions' rope angles at this base and frequency scale
         (a layer's layer_rope; kernels.cpu.rope_table)."""
         return rope_table(positions, base, self.n_rot, **self.rope_scaling(base, freq_scale))
 

@@ -22,12 +22,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, typed, typeof
 
-from kernels.cpu.activations import _round_to_f16, _round_to_f16_serial
 from kernels.cpu.attention import (WIDE_KV_BYTES, _decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
                                    _write_kv_slots_serial)
 from kernels.cpu.attention_online import decode_partial, decode_partial_v, merge_splits, prefill_online
-from kernels.cpu.ops import (_geglu_tanh, _geglu_tanh_serial, _rms_norm, _rms_norm_serial, _rope, _rope_serial, _swiglu,
-                             _swiglu_serial, soft_cap_rows)
+from kernels.cpu.ops import (_geglu_tanh, _geglu_tanh_serial, _head_rows, _head_rows_serial, _rms_norm, _rms_norm_serial,
+                             _swiglu, _swiglu_serial, soft_cap_rows)
 from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
 from kernels.types import ACT_KIND, TRAITS
 
@@ -88,6 +87,7 @@ class RowBuffers(NamedTuple):
     qkv: tuple                # the q, k, v parts' outputs (T, part rows)
     q16: np.ndarray           # (T, Hq, hd) q as attention reads it
     kbuf: np.ndarray          # (T, Hkv, hd) roped k
+    vbuf: np.ndarray          # (T, Hkv, hd) v
     att: np.ndarray           # (T, Hq, hd) attention's output
     o: np.ndarray             # (T, wo rows)
     gate_up: tuple            # the gate, up parts' outputs
@@ -112,7 +112,7 @@ def row_buffers(w: LayerWeights, T: int, runs: tuple) -> RowBuffers:
         layouts = (p.w0, p.w1, p.w2)
         return tuple(f32(_rows(int(t), layouts[i]) if t >= 0 else 1) for i, t in enumerate(p.types))
 
-    return RowBuffers(f32(D), outs(w.qkv), f32(Hq, hd), f32(Hkv, hd), f32(Hq, hd), f32(_rows(w.wo_type, w.wo)),
+    return RowBuffers(f32(D), outs(w.qkv), f32(Hq, hd), f32(Hkv, hd), f32(Hkv, hd), f32(Hq, hd), f32(_rows(w.wo_type, w.wo)),
                       outs(w.gate_up), f32(F), f32(_rows(w.w_down_type, w.w_down)),
                       Q8Buffers.alloc(T, D), Q8Buffers.alloc(T, Hq * hd), Q8Buffers.alloc(T, F), runs)
 
@@ -141,36 +141,26 @@ def _norm(x, w, eps, out, parallel):
 
 
 @njit(cache=True, error_model="numpy")
-def _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b):
-    """T tokens' q (T, Hq, hd), k, v (T, Hkv, hd) as attention takes them, in the order of
-    llama.cpp's graph: biases, per-head RMSNorm of q and k, rope (cs: the positions' cos/sin), q
-    times q_scale and rounded to float16 into b.q16; k and v written into the float16 cache."""
-    T, Hq, hd = q.shape
-    Hkv = k.shape[1]
-    if w.bq.size:
-        for r in range(T):
-            q[r] += w.bq.reshape(Hq, hd)
-            k[r] += w.bk.reshape(Hkv, hd)
-            v[r] += w.bv.reshape(Hkv, hd)
-    if w.q_norm.size:                       # per head: every (row, head) is a norm row
-        q2, k2 = q.reshape(T * Hq, hd), k.reshape(T * Hkv, hd)
-        _norm(q2, w.q_norm, w.eps, q2, T > 1)
-        _norm(k2, w.k_norm, w.eps, k2, T > 1)
+def _attn_inputs(w, cs, k_cache, v_cache, plan, b):
+    """T tokens' q, k, v (members of the fused q/k/v outputs b.qkv, read in place) as attention
+    takes them, in the order of llama.cpp's graph: biases, per-head RMSNorm of q and k, rope (cs:
+    the positions' cos/sin), q times q_scale and rounded to float16 into b.q16; k and v written
+    into the float16 cache."""
+    T = b.q16.shape[0]
+    qb, q0 = _part(w.qkv.where, 0, b.qkv)
+    kb, k0 = _part(w.qkv.where, 1, b.qkv)
+    vb, v0 = _part(w.qkv.where, 2, b.qkv)
+    no_rope = cs[:, :, :0]
     if T > 1:
-        _rope(q, cs, w.rope_neox, b.q16)
-        _rope(k, cs, w.rope_neox, b.kbuf)
+        _head_rows(qb, q0, w.bq, w.q_norm, w.eps, cs, w.rope_neox, w.q_scale, True, b.q16)
+        _head_rows(kb, k0, w.bk, w.k_norm, w.eps, cs, w.rope_neox, np.float32(1.0), False, b.kbuf)
+        _head_rows(vb, v0, w.bv, NONE, w.eps, no_rope, False, np.float32(1.0), False, b.vbuf)
+        _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, b.vbuf)
     else:
-        _rope_serial(q, cs, w.rope_neox, b.q16)
-        _rope_serial(k, cs, w.rope_neox, b.kbuf)
-    if w.q_scale != np.float32(1.0):
-        b.q16[:] *= w.q_scale
-    q16 = b.q16.reshape(T * Hq, hd)
-    if T > 1:
-        _round_to_f16(q16, q16)                         # one parallel region for all rows
-        _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, v)
-    else:
-        _round_to_f16_serial(q16, q16)
-        _write_kv_slots_serial(k_cache, v_cache, plan.slots, b.kbuf, v)
+        _head_rows_serial(qb, q0, w.bq, w.q_norm, w.eps, cs, w.rope_neox, w.q_scale, True, b.q16)
+        _head_rows_serial(kb, k0, w.bk, w.k_norm, w.eps, cs, w.rope_neox, np.float32(1.0), False, b.kbuf)
+        _head_rows_serial(vb, v0, w.bv, NONE, w.eps, no_rope, False, np.float32(1.0), False, b.vbuf)
+        _write_kv_slots_serial(k_cache, v_cache, plan.slots, b.kbuf, b.vbuf)
 
 
 @njit(cache=True, error_model="numpy")
@@ -249,24 +239,14 @@ def _part(where, m, outs):
     return (outs[0] if part == 0 else (outs[1] if part == 1 else outs[2])), where[m, 1]
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def _member(where, m, outs):
-    """Member m of a fused projection as a contiguous copy (T, n)."""
-    out, c0 = _part(where, m, outs)
-    return np.ascontiguousarray(out[:, c0:c0 + where[m, 2]])
-
-
 @njit(cache=True, error_model="numpy")
 def _attention(x, cs, w, k_cache, v_cache, plan, b):
     """The attention half for rows x (T, D): returns its output (T, D) (a view of b.o)."""
     T, D = x.shape
-    Hq, Hkv, hd = w.n_head, w.n_head_kv, w.head_dim
+    Hq, hd = w.n_head, w.head_dim
     _norm(x, w.attn_norm, w.eps, b.h, T > 1)
     _project(b.h, w.qkv, b.q8_d, b.runs, b.qkv[0], b.qkv[1], b.qkv[2])
-    q = _member(w.qkv.where, 0, b.qkv).reshape(T, Hq, hd)
-    k = _member(w.qkv.where, 1, b.qkv).reshape(T, Hkv, hd)
-    v = _member(w.qkv.where, 2, b.qkv).reshape(T, Hkv, hd)
-    _attn_inputs(q, k, v, w, cs, k_cache, v_cache, plan, b)
+    _attn_inputs(w, cs, k_cache, v_cache, plan, b)
     _attend(w, k_cache, v_cache, plan, b)
     quantize_into(b.att.reshape(T, Hq * hd), ACT_KIND[w.wo_type], b.q8_o)
     matmul_row(w.wo, w.wo_type, b.q8_o, b.runs, b.o)

@@ -189,37 +189,47 @@ def _rms_scale_row(x, w, eps, ss, t, out):
     D = x.shape[1]
     mean = np.float32(ss / D)
     scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
+    xr, orow = x[t], out[t]                 # 1D views: the loop vectorizes
     for i in range(D):
-        out[t, i] = x[t, i] * scale * w[i]
+        orow[i] = xr[i] * scale * w[i]
 
 
-@njit(parallel=True, cache=True, error_model="numpy")  # no fastmath: the sum keeps ggml's order
+@njit(cache=True, error_model="numpy", inline="always")  # no fastmath: the sums keep ggml's order
+def _rms_rows(x, w, eps, out, t0, t1):
+    """Rows t0 .. t1-1 of x RMS-normed into out (_rms_norm). Each row's sum is a chain of dependent
+    adds in its own order, so four rows go side by side (four chains in flight)."""
+    D = x.shape[1]
+    t = t0
+    while t + 4 <= t1:
+        r0, r1, r2, r3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+        s0 = s1 = s2 = s3 = 0.0
+        for i in range(D):
+            a0, a1, a2, a3 = r0[i], r1[i], r2[i], r3[i]
+            s0 += np.float64(a0 * a0)
+            s1 += np.float64(a1 * a1)
+            s2 += np.float64(a2 * a2)
+            s3 += np.float64(a3 * a3)
+        _rms_scale_row(x, w, eps, s0, t, out)
+        _rms_scale_row(x, w, eps, s1, t + 1, out)
+        _rms_scale_row(x, w, eps, s2, t + 2, out)
+        _rms_scale_row(x, w, eps, s3, t + 3, out)
+        t += 4
+    while t < t1:
+        xr = x[t]
+        ss = 0.0
+        for i in range(D):
+            ss += np.float64(xr[i] * xr[i])
+        _rms_scale_row(x, w, eps, ss, t, out)
+        t += 1
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
 def _rms_norm(x, w, eps, out):
     """ggml_compute_forward_rms_norm_f32 to the bit: float32 squares summed in float64 in order,
-    mean and 1/sqrt(mean + eps) in float32, then x * scale * w. The in-order sum is a chain of
-    dependent adds, so four rows go side by side (four chains in flight, each row's own order)."""
-    T, D = x.shape
+    mean and 1/sqrt(mean + eps) in float32, then x * scale * w; threads take groups of 4 rows."""
+    T = x.shape[0]
     for g in prange((T + 3) // 4):
-        t0 = 4 * g
-        if t0 + 4 <= T:
-            s0 = s1 = s2 = s3 = 0.0
-            for i in range(D):
-                a, b, c, d = x[t0, i], x[t0 + 1, i], x[t0 + 2, i], x[t0 + 3, i]
-                s0 += np.float64(a * a)
-                s1 += np.float64(b * b)
-                s2 += np.float64(c * c)
-                s3 += np.float64(d * d)
-            _rms_scale_row(x, w, eps, s0, t0, out)
-            _rms_scale_row(x, w, eps, s1, t0 + 1, out)
-            _rms_scale_row(x, w, eps, s2, t0 + 2, out)
-            _rms_scale_row(x, w, eps, s3, t0 + 3, out)
-        else:
-            for t in range(t0, T):
-                ss = 0.0
-                for i in range(D):
-                    xi = x[t, i]
-                    ss += np.float64(xi * xi)
-                _rms_scale_row(x, w, eps, ss, t, out)
+        _rms_rows(x, w, eps, out, 4 * g, min(T, 4 * g + 4))
 
 
 _rms_norm_serial = serial_twin(_rms_norm)
@@ -240,51 +250,111 @@ def _rope_table(positions, theta_scale, factors, freq_scale, mscale, ext_factor,
     freq_scale times that, and it turns by the interpolated one, or with YaRN (ext_factor != 0) by
     a mix of both that ramps between the pairs corr_lo and corr_hi (one fused multiply-add, as the
     FMA build of ggml-cpu compiles it); cosf/sinf, each times mscale. (Factors of 1 and scales of 1
-    change no bit.) cs (T, n_rot/2, 2): cos and sin of pair i at token t."""
+    change no bit.) cs (T, 2, n_rot/2): cos (cs[t, 0, i]) and sin (cs[t, 1, i]) of pair i at token
+    t, each a contiguous row, so rope runs as vectors over the pairs."""
     one = np.float32(1.0)
     for t in prange(positions.shape[0]):
         theta = np.float32(positions[t])
-        for i in range(cs.shape[1]):
+        for i in range(cs.shape[2]):
             extrap = theta / factors[i]
             angle = freq_scale * extrap
             if ext_factor != 0:
                 y = (np.float32(i) - corr_lo) / max(np.float32(0.001), corr_hi - corr_lo)
                 ramp = (one - min(one, max(np.float32(0.0), y))) * ext_factor
                 angle = fma32(angle, one - ramp, extrap * ramp)
-            cs[t, i, 0] = math.cos(angle) * mscale
-            cs[t, i, 1] = math.sin(angle) * mscale
+            cs[t, 0, i] = math.cos(angle) * mscale
+            cs[t, 1, i] = math.sin(angle) * mscale
             theta = theta * theta_scale
 
 
-@njit(parallel=True, fastmath={"contract"}, cache=True, error_model="numpy")
-def _rope(x, cs, neox, out):
-    T, H, hd = x.shape
-    half = cs.shape[1]
-    n_rot = 2 * half
-    for t in prange(T):
+@njit(cache=True, error_model="numpy", inline="always")
+def _scaled(v, scale, to_f16):
+    """v times scale, rounded to float16 (as float32) where to_f16."""
+    v = v * scale
+    return f16_value(f16_bits(v)) if to_f16 else v
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _rope_row(x, cv, sv, neox, scale, to_f16, out):
+    """One head's row x (hd,) turned by pairs (cv, sv: the token's cos and sin rows of
+    rope_table) into out: ggml_rope's x0*cos - x1*sin and x0*sin + x1*cos, each a multiply-add as
+    ggml-cpu's FMA build contracts them; dims past n_rot pass through. Each result then times
+    scale and rounded to float16 where to_f16 (_scaled: a scale of 1 changes no bit)."""
+    half = cv.shape[0]
+    if neox:
         for i in range(half):
-            c = cs[t, i, 0]
-            s = cs[t, i, 1]
-            a = i if neox else 2 * i
-            b = i + half if neox else 2 * i + 1
-            for h in range(H):
-                x0 = x[t, h, a]
-                x1 = x[t, h, b]
-                out[t, h, a] = x0 * c - x1 * s
-                out[t, h, b] = x0 * s + x1 * c
+            x0, x1 = x[i], x[i + half]
+            out[i] = _scaled(fma32(x0, cv[i], -(x1 * sv[i])), scale, to_f16)
+            out[i + half] = _scaled(fma32(x0, sv[i], x1 * cv[i]), scale, to_f16)
+    else:
+        for i in range(half):
+            x0, x1 = x[2 * i], x[2 * i + 1]
+            out[2 * i] = _scaled(fma32(x0, cv[i], -(x1 * sv[i])), scale, to_f16)
+            out[2 * i + 1] = _scaled(fma32(x0, sv[i], x1 * cv[i]), scale, to_f16)
+    tail, tail_out = x[2 * half:], out[2 * half:]
+    for i in range(tail.shape[0]):
+        tail_out[i] = _scaled(tail[i], scale, to_f16)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _add_row(x, b, out):
+    """out = x + b (one float32 rounding each: a projection's bias)."""
+    for i in range(out.shape[0]):
+        out[i] = x[i] + b[i]
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _rope(x, cs, neox, out):
+    """x (T, H, hd) -> out, rope (_rope_row) with token t's cos/sin cs[t]; heads inner, so each
+    token's table is read once."""
+    T, H, hd = x.shape
+    for t in prange(T):
         for h in range(H):
-            for i in range(n_rot, hd):
-                out[t, h, i] = x[t, h, i]
+            _rope_row(x[t, h], cs[t, 0], cs[t, 1], neox, np.float32(1.0), False, out[t, h])
+
+
+HEAD_ROWS_TOKENS = 8    # tokens per group of _head_rows: the group's head rows are normed side by side
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _head_rows(x, c0, bias, norm_w, eps, cs, neox, scale, to_f16, out):
+    """Attention's heads from a projection's output, in the order of llama.cpp's graph:
+    x[t, c0 : c0 + H*hd] (a member of a fused output, read in place), plus bias (H*hd,) where it
+    has one, RMSNorm per head with norm_w (hd,) where it has one (_rms_rows), rope (cs
+    (T, 2, n_rot/2); n_rot 0: none), times scale (1: no change), rounded to float16 where to_f16
+    -> out (T, H, hd). Threads take groups of HEAD_ROWS_TOKENS tokens."""
+    T, H, hd = out.shape
+    G = HEAD_ROWS_TOKENS
+    for g in prange((T + G - 1) // G):
+        t0, t1 = g * G, min(T, g * G + G)
+        rows = np.empty(((t1 - t0) * H, hd), np.float32)        # (token, head) rows of the group
+        for t in range(t0, t1):
+            for h in range(H):
+                src, row = x[t, c0 + h * hd:c0 + (h + 1) * hd], rows[(t - t0) * H + h]
+                if bias.size:
+                    _add_row(src, bias[h * hd:(h + 1) * hd], row)
+                elif norm_w.size:
+                    row[:] = src
+                else:                       # rope reads the projection's output in place
+                    _rope_row(src, cs[t, 0], cs[t, 1], neox, scale, to_f16, out[t, h])
+        if not bias.size and not norm_w.size:
+            continue
+        if norm_w.size:
+            _rms_rows(rows, norm_w, eps, rows, 0, rows.shape[0])
+        for t in range(t0, t1):
+            for h in range(H):
+                _rope_row(rows[(t - t0) * H + h], cs[t, 0], cs[t, 1], neox, scale, to_f16, out[t, h])
 
 
 _rope_serial = serial_twin(_rope)
+_head_rows_serial = serial_twin(_head_rows)
 _rope_table_serial = serial_twin(_rope_table)
 
 
 def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Sequence[float] = (),
                freq_scale: float = 1.0, attn_factor: float = 1.0,
                yarn: tuple[float, float] | None = None) -> np.ndarray:
-    """cos/sin (T, n_rot/2, 2) of ggml_rope's angles for these positions: computed once per forward
+    """cos/sin (T, 2, n_rot/2) of ggml_rope's angles for these positions: computed once per forward
     pass and base, and shared by every layer's q and k (the trig was most of rope's time).
     freq_factors (n_rot/2,): each pair's angle divided by its factor (Llama 3's rope_freqs, LongRoPE's
     factor sets; none: all 1); freq_scale: every angle times it (linear rope scaling: 1 / factor);
@@ -297,7 +367,7 @@ def rope_table(positions: np.ndarray, theta: float, n_rot: int, freq_factors: Se
         raise ValueError(f"{factors.shape[0]} rope frequency factors for {n_rot // 2} rotary pairs")
     theta_scale = rope_theta_scale(theta, n_rot)   # libm's powf: numpy's is CPU-dependent
     positions = np.ascontiguousarray(positions, np.int64).reshape(-1)
-    cs = np.empty((positions.shape[0], n_rot // 2, 2), np.float32)
+    cs = np.empty((positions.shape[0], 2, n_rot // 2), np.float32)
     ext_factor, (corr_lo, corr_hi) = (0.0, (0.0, 0.0)) if yarn is None else (1.0, yarn)
     pick(_rope_table, _rope_table_serial, cs.size)(positions, np.float32(theta_scale), factors,
                                                    np.float32(freq_scale), np.float32(attn_factor),
@@ -337,7 +407,7 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, neox: bool, n_rot: 
         raise ValueError(f"n_rot={n_rot} must be even and <= head_dim={hd}")
     if table is None:
         table = rope_table(positions, theta, n_rot)
-    if table.shape != (x.shape[0], n_rot // 2, 2):
+    if table.shape != (x.shape[0], 2, n_rot // 2):
         raise ValueError(f"rope table {table.shape} does not fit x {x.shape} with n_rot={n_rot}")
     out = np.empty_like(x)
     pick(_rope, _rope_serial, x.size)(x, table, bool(neox), out)
@@ -389,18 +459,16 @@ def _gelu_f16_table():
 @njit(parallel=True, cache=True, error_model="numpy")
 def _geglu_tanh(gb, g0, ub, u0, out, table):
     """gelu(g) * u as ggml_vec_geglu_f32 with GGML_GELU_FP16: 0 below -10, g * u above 10, else the
-    table entry of f16(g), times u. g, u and out as _swiglu's."""
+    table entry of f16(g), times u. g, u and out as _swiglu's. Selects, not branches: every f16
+    pattern has a table entry, and the loop runs without a mispredicted branch per element."""
     nc = (out.shape[1] + CHUNK - 1) // CHUNK
     for t in prange(out.shape[0] * nc):
         gc, uc, oc = _glu_chunk(gb, g0, ub, u0, out, t, nc)
         for i in range(gc.shape[0]):
-            x = gc[i]
-            if x <= np.float32(-10.0):
-                oc[i] = np.float32(0.0)
-            elif x >= np.float32(10.0):
-                oc[i] = x * uc[i]
-            else:
-                oc[i] = table[f16_bits(x)] * uc[i]
+            x, u = gc[i], uc[i]
+            y = table[f16_bits(x)] * u
+            y = x * u if x >= np.float32(10.0) else y
+            oc[i] = np.float32(0.0) if x <= np.float32(-10.0) else y
 
 
 _swiglu_serial = serial_twin(_swiglu)

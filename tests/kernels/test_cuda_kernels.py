@@ -388,8 +388,8 @@ def test_rope_yarn_matches_the_cpu_table():
     yarn, mscale = tuple(map(float, rope_yarn_corr_dims(64, 4096, 1e6))), float(yarn_mscale(0.25))
     y = rope(torch.from_numpy(x).to(DEVICE), torch.from_numpy(pos).to(DEVICE), 1e6, True, freq_scale=0.25,
              attn_factor=mscale, yarn=yarn)
-    cs = rope_table(pos, 1e6, 64, freq_scale=0.25, attn_factor=mscale, yarn=yarn)        # (T, 32, 2)
-    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+    cs = rope_table(pos, 1e6, 64, freq_scale=0.25, attn_factor=mscale, yarn=yarn)        # (T, 2, 32)
+    c, s = cs[:, None, 0], cs[:, None, 1]
     a, b = x[..., :32], x[..., 32:]
     ref = np.concatenate([a * c - b * s, a * s + b * c], -1)
     torch.testing.assert_close(y.cpu(), torch.from_numpy(ref), atol=2e-5, rtol=2e-5)

@@ -47,13 +47,13 @@ def test_rope_theta_scale_is_glibc_powf(n_rot):
 def test_rope_table_angles_are_ggml_s(base, n_rot):
     """ggml: theta = pos, then theta *= theta_scale pair by pair (float32), cos/sin by libm."""
     positions = np.array([0, 1, 7, 513, 4095])
-    table = rope_table(positions, base, n_rot)                          # (T, n_rot/2, 2)
+    table = rope_table(positions, base, n_rot)                          # (T, 2, n_rot/2)
     scale = np.float32(LIBM.powf(float(np.float32(base)), float(np.float32(-2.0) / np.float32(n_rot))))
     for t, pos in enumerate(positions):
         theta = np.float32(pos)
         for i in range(n_rot // 2):
-            assert bits(table[t, i, 0]) == bits(LIBM.cosf(float(theta))), (pos, i)
-            assert bits(table[t, i, 1]) == bits(LIBM.sinf(float(theta))), (pos, i)
+            assert bits(table[t, 0, i]) == bits(LIBM.cosf(float(theta))), (pos, i)
+            assert bits(table[t, 1, i]) == bits(LIBM.sinf(float(theta))), (pos, i)
             theta = np.float32(theta * scale)
 
 
@@ -67,8 +67,8 @@ def test_rope_table_with_frequency_factors_and_scale_is_ggml_s():
         theta = np.float32(pos)
         for i in range(32):
             angle = np.float32(np.float32(0.25) * np.float32(theta / factors[i]))
-            assert bits(table[t, i, 0]) == bits(LIBM.cosf(float(angle))), (pos, i)
-            assert bits(table[t, i, 1]) == bits(LIBM.sinf(float(angle))), (pos, i)
+            assert bits(table[t, 0, i]) == bits(LIBM.cosf(float(angle))), (pos, i)
+            assert bits(table[t, 1, i]) == bits(LIBM.sinf(float(angle))), (pos, i)
             theta = np.float32(theta * scale)
 
 

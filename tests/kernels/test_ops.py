@@ -48,7 +48,7 @@ def test_rope_table_is_shared_by_q_and_k():
     rng = np.random.default_rng(5)
     pos = np.array([3, 4, 5, 900])
     table = rope_table(pos, 1e6, 64)
-    assert table.shape == (4, 32, 2)
+    assert table.shape == (4, 2, 32)
     q = rng.standard_normal((4, 14, 64)).astype(np.float32)
     k = rng.standard_normal((4, 2, 64)).astype(np.float32)
     for x in (q, k):
