@@ -19,11 +19,31 @@ def _chunks(builder, x, o, N: int):
     return [vload(builder, builder.gep(xp, [c64(16 * c)]), V16F) for c in range(N // 16)]
 
 
-def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
-    """kern(x, o, scale, q, sums, s0): q[o:o+N] = rint(x[o:o+N] * scale) as int8 (at most 127 with
-    CLAMP), and sums[s0 + k] = the sum of its k-th group of G values (in sums' integer type). The
-    rounding is half to even for |v| < 2^22, as _mm256_round_ps / nearest_int do: adding and taking
-    away 1.5 * 2^23 rounds the float32 sum (no fast-math flags, so both additions stay).
+def _group_sums(builder, vecs, G: int):
+    """The sums of every G consecutive lanes of the int32 vectors vecs (16 lanes each, in order),
+    as vectors in the same order: pairs of lanes added level by level (even lanes plus odd lanes of
+    two vectors side by side), log2(G) shuffles and adds per vector, not a reduction per group."""
+    width = 1
+    while width < G:
+        if len(vecs) >= 2:
+            n = vecs[0].type.count
+            ev, od = (ir.Constant(ir.VectorType(i32, n), list(range(k, 2 * n, 2))) for k in (0, 1))
+            vecs = [builder.add(builder.shuffle_vector(a, b, ev), builder.shuffle_vector(a, b, od))
+                    for a, b in zip(vecs[0::2], vecs[1::2])]
+        else:
+            a, n = vecs[0], vecs[0].type.count
+            ev, od = (ir.Constant(ir.VectorType(i32, n // 2), list(range(k, n, 2))) for k in (0, 1))
+            vecs = [builder.add(builder.shuffle_vector(a, a, ev), builder.shuffle_vector(a, a, od))]
+        width *= 2
+    return vecs
+
+
+def _rint_scaled_kernel(N: int, G: int, CLAMP: bool, MUL: int):
+    """kern(x, o, scale, q, sums, s0) -> the sum of q: q[o:o+N] = rint(x[o:o+N] * scale) as int8
+    (at most 127 with CLAMP), and sums[s0 + k] = MUL times the sum of its k-th group of G values
+    (in sums' integer type). The rounding is half to even for |v| < 2^22, as _mm256_round_ps /
+    nearest_int do: adding and taking away 1.5 * 2^23 rounds the float32 sum (no fast-math flags,
+    so both additions stay).
 
     Why an intrinsic: numba's LLVM pipeline unrolls a 32-element loop completely and then leaves it
     scalar (one conversion per element); as 16-lane vectors the same IEEE operations run on every
@@ -32,7 +52,7 @@ def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
     def kern(typingctx, x, o, scale, q, sums, s0):
         if any(a.layout != "C" for a in (x, q, sums)):
             return None                 # rows read and written as contiguous runs
-        sig = types.void(x, o, scale, q, sums, s0)
+        sig = types.int32(x, o, scale, q, sums, s0)
         sum_ty = ir.IntType(sums.dtype.bitwidth)
 
         def codegen(context, builder, signature, args):
@@ -41,33 +61,43 @@ def _rint_scaled_kernel(N: int, G: int, CLAMP: bool):
             sp = builder.gep(sa.data, [args[5]])
             sv = splat(builder, args[2], V16F)
             magic = vconst(V16F, 12582912.0)
-            undef = ir.Constant(V16I, ir.Undefined)
+            qis = []
             for c, v in enumerate(_chunks(builder, xa, args[1], N)):
                 v = builder.fmul(v, sv)
                 qi = builder.fptosi(builder.fsub(builder.fadd(v, magic), magic), V16I)        # (16,) int32
                 if CLAMP:
                     qi = builder.select(builder.icmp_signed(">", qi, vconst(V16I, 127)), vconst(V16I, 127), qi)
                 vstore(builder, builder.trunc(qi, V16B), builder.gep(qp, [c64(16 * c)]))
-                for k in range(16 // G):
-                    group = builder.shuffle_vector(qi, undef, ir.Constant(ir.VectorType(i32, G), list(range(k * G, k * G + G))))
-                    total = call(builder, f"llvm.vector.reduce.add.v{G}i32", i32, [group])
-                    at = builder.gep(sp, [c64(c * (16 // G) + k)])
-                    builder.store(builder.trunc(total, sum_ty) if sum_ty.width < 32 else total, at)
-            return context.get_dummy_value()
+                qis.append(qi)
+            at = 0
+            total = None
+            for g in _group_sums(builder, qis, G):
+                n = g.type.count
+                t = call(builder, f"llvm.vector.reduce.add.v{n}i32", i32, [g])
+                total = t if total is None else builder.add(total, t)
+                if MUL != 1:
+                    g = builder.mul(g, ir.Constant(g.type, [MUL] * n))
+                if sum_ty.width < 32:
+                    g = builder.trunc(g, ir.VectorType(sum_ty, n))
+                vstore(builder, g, builder.gep(sp, [c64(at)]))
+                at += n
+            return total
 
         return sig, codegen
 
-    kern.__name__ = f"rint_scaled_{N}_{G}{'_clamped' if CLAMP else ''}"
+    kern.__name__ = f"rint_scaled_{N}_{G}{'_clamped' if CLAMP else ''}_x{MUL}"
     return intrinsic(kern)
 
 
-_rint_q8_0 = _rint_scaled_kernel(32, 4, False)      # a q8_0 block and its 4-element sums
-_rint_q8_k = _rint_scaled_kernel(256, 16, True)     # a q8_K super-block and its 16-element sums
+_rint_q8_0 = _rint_scaled_kernel(32, 4, False, 16)  # a q8_0 block and 16 x its 4-element sums
+_rint_q8_k = _rint_scaled_kernel(256, 16, True, 1)  # a q8_K super-block and its 16-element sums
 
 
 def _absmax_kernel(N: int):
-    """kern(x, o) -> max |x[o:o+N]| (float32; exact in any order, and activations hold no NaN).
-    numba leaves its own max loop scalar (its max of floats checks for NaN on every step)."""
+    """kern(x, o) -> max |x[o:o+N]| (float32). The largest magnitude is the largest unsigned
+    integer among the bit patterns with their signs cleared (activations hold no NaN), and integer
+    max reductions lower to a few instructions, where a float one without fast-math flags checks
+    for NaN at every step; numba leaves its own max loop scalar."""
 
     def kern(typingctx, x, o):
         if x.layout != "C":
@@ -75,10 +105,10 @@ def _absmax_kernel(N: int):
 
         def codegen(context, builder, signature, args):
             xa = array(context, builder, signature.args[0], args[0])
-            vs = [call(builder, "llvm.fabs.v16f32", V16F, [v]) for v in _chunks(builder, xa, args[1], N)]
+            vs = [builder.and_(builder.bitcast(v, V16I), vconst(V16I, 0x7FFFFFFF)) for v in _chunks(builder, xa, args[1], N)]
             while len(vs) > 1:
-                vs = [call(builder, "llvm.maxnum.v16f32", V16F, [a, b]) for a, b in zip(vs[::2], vs[1::2])]
-            return call(builder, "llvm.vector.reduce.fmax.v16f32", ir.FloatType(), [vs[0]])
+                vs = [call(builder, "llvm.umax.v16i32", V16I, [a, b]) for a, b in zip(vs[::2], vs[1::2])]
+            return builder.bitcast(call(builder, "llvm.vector.reduce.umax.v16i32", i32, [vs[0]]), ir.FloatType())
 
         return types.float32(x, o), codegen
 
@@ -126,14 +156,9 @@ def _quantize_q8_0(x, xq, dx, sx, s1):
         for b in range(dx.shape[1]):
             amax = _absmax_32(xr, b * 32)
             idv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            _rint_q8_0(xr, b * 32, idv, qr, sr, b * 8)          # q, and the 4-element sums into sx
+            tot = _rint_q8_0(xr, b * 32, idv, qr, sr, b * 8)    # q, and 16 x the 4-element sums into sx
             d = amax / np.float32(127.0)
             dx[m, b] = f16_value(f16_bits(d))
-            tot = np.int32(0)
-            for k in range(8):
-                g = sr[b * 8 + k]
-                sr[b * 8 + k] = 16 * g
-                tot += g
             s1[m, b] = f16_value(f16_bits(d * np.float32(tot)))
 
 
