@@ -61,6 +61,38 @@ def test_rope_table_is_shared_by_q_and_k():
         rope(q[:3], pos[:3], 1e6, True, 64, table)
 
 
+@pytest.mark.parametrize("neox", [False, True], ids=["normal", "neox"])
+@pytest.mark.parametrize("n_rot", [64, 32], ids=["full", "partial"])
+@pytest.mark.parametrize("bias, norm", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plain", "bias", "norm", "bias+norm"])
+def test_head_rows_are_the_graphs_steps_in_one_pass(neox, n_rot, bias, norm):
+    """The fused layer's q/k input (ops._head_rows: a member of a fused q/k/v output read in place,
+    bias, per-head RMSNorm, rope, q's scale, float16) equals those steps one by one with the public
+    kernels, bit for bit, for 19 tokens (groups of 8 and a partial one) and one token (the serial
+    twin a decode step takes)."""
+    from kernels.cpu.activations import round_to_f16
+    from kernels.cpu.ops import _head_rows, _head_rows_serial, rope_table
+    rng = np.random.default_rng(n_rot + 2 * bias + norm)
+    T, H, hd, c0 = 19, 3, 64, 128
+    out_all = rng.standard_normal((T, c0 + H * hd + 64)).astype(np.float32) * 4       # q at columns c0..
+    b = rng.standard_normal(H * hd).astype(np.float32) if bias else np.empty(0, np.float32)
+    w = rng.standard_normal(hd).astype(np.float32) if norm else np.empty(0, np.float32)
+    pos = np.arange(300, 300 + T)
+    cs = rope_table(pos, 1e6, n_rot)
+    x = out_all[:, c0:c0 + H * hd].reshape(T, H, hd).copy()
+    if bias:
+        x = x + b.reshape(H, hd)
+    if norm:
+        x = rms_norm(x.reshape(T * H, hd), w, 1e-6).reshape(T, H, hd)
+    want = round_to_f16(rope(x, pos, 1e6, neox, n_rot, cs) * np.float32(0.125))
+    got = np.empty((T, H, hd), np.float32)
+    _head_rows(out_all, c0, b, w, np.float32(1e-6), cs, neox, np.float32(0.125), True, got)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    one = np.empty((1, H, hd), np.float32)
+    _head_rows_serial(out_all[5:6], c0, b, w, np.float32(1e-6), cs[5:6], neox, np.float32(0.125), True, one)
+    np.testing.assert_array_equal(one[0].view(np.uint32), want[5].view(np.uint32))
+
+
 def test_rope_position_zero_is_identity():
     x = np.random.default_rng(0).standard_normal((1, 2, 64)).astype(np.float32)
     np.testing.assert_array_equal(rope(x, np.array([0]), 10000.0, True), x)
