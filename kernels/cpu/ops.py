@@ -327,18 +327,19 @@ def _head_rows(x, c0, bias, norm_w, eps, cs, neox, scale, to_f16, out):
     G = HEAD_ROWS_TOKENS
     for g in prange((T + G - 1) // G):
         t0, t1 = g * G, min(T, g * G + G)
+        if not bias.size and not norm_w.size:           # rope reads the projection's output in place
+            for t in range(t0, t1):
+                for h in range(H):
+                    _rope_row(x[t, c0 + h * hd:c0 + (h + 1) * hd], cs[t, 0], cs[t, 1], neox, scale, to_f16, out[t, h])
+            continue
         rows = np.empty(((t1 - t0) * H, hd), np.float32)        # (token, head) rows of the group
         for t in range(t0, t1):
             for h in range(H):
                 src, row = x[t, c0 + h * hd:c0 + (h + 1) * hd], rows[(t - t0) * H + h]
                 if bias.size:
                     _add_row(src, bias[h * hd:(h + 1) * hd], row)
-                elif norm_w.size:
+                else:
                     row[:] = src
-                else:                       # rope reads the projection's output in place
-                    _rope_row(src, cs[t, 0], cs[t, 1], neox, scale, to_f16, out[t, h])
-        if not bias.size and not norm_w.size:
-            continue
         if norm_w.size:
             _rms_rows(rows, norm_w, eps, rows, 0, rows.shape[0])
         for t in range(t0, t1):
