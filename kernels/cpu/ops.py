@@ -13,6 +13,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kernels.cpu.libm import rope_theta_scale
+from kernels.cpu.simd import WIDE
 
 # fastmath without nnan/ninf: -inf is a legal input (masked logits).
 FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -457,15 +458,55 @@ def _gelu_f16_table():
     return table
 
 
+GELU_LANES = 16 if WIDE else 8
+
+
+@intrinsic
+def _gelu_lanes(typingctx, g, u, out, table):
+    """_geglu_tanh's elements i < n - n % GELU_LANES of the contiguous 1-D g, u, out (n = out's
+    length), GELU_LANES at a time, each group's table entries in one gather (llvm.masked.gather:
+    vgatherdps). The table (256 KB) lives in L2, and the scalar loop's lookups, one load per
+    element, waited there. Returns how many elements it did; the caller does the rest."""
+    sig = types.intp(g, u, out, table)
+
+    def codegen(context, builder, signature, args):
+        ga, ua, oa, ta = (context.make_array(signature.args[k])(context, builder, args[k]) for k in range(4))
+        L, f32, i64 = GELU_LANES, ir.FloatType(), ir.IntType(64)
+        VF, VI = ir.VectorType(f32, L), ir.VectorType(i64, L)
+        n = builder.extract_value(oa.shape, 0)
+        done = builder.sub(n, builder.srem(n, ir.Constant(i64, L)))
+        base = builder.insert_element(ir.Constant(VI, ir.Undefined), builder.ptrtoint(ta.data, i64), ir.Constant(ir.IntType(32), 0))
+        base = builder.shuffle_vector(base, ir.Constant(VI, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), L), [0] * L))
+        ptrs_ty = ir.VectorType(f32.as_pointer(), L)
+        gather = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(VF, [ptrs_ty, ir.IntType(32), ir.VectorType(ir.IntType(1), L), VF]),
+            f"llvm.masked.gather.v{L}f32.v{L}p0f32")
+        at = lambda a, i: builder.bitcast(builder.gep(a.data, [i]), VF.as_pointer())   # noqa: E731
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), done, ir.Constant(i64, L)) as (i, _):
+            x = builder.load(at(ga, i), align=4)
+            up = builder.load(at(ua, i), align=4)
+            bits = builder.bitcast(builder.fptrunc(x, ir.VectorType(ir.HalfType(), L)), ir.VectorType(ir.IntType(16), L))
+            ptrs = builder.inttoptr(builder.add(base, builder.shl(builder.zext(bits, VI), ir.Constant(VI, [2] * L))), ptrs_ty)
+            y = builder.fmul(builder.call(gather, [ptrs, ir.Constant(ir.IntType(32), 4), ir.Constant(ir.VectorType(ir.IntType(1), L), [1] * L),
+                                                   ir.Constant(VF, ir.Undefined)]), up)
+            y = builder.select(builder.fcmp_ordered(">=", x, ir.Constant(VF, [10.0] * L)), builder.fmul(x, up), y)
+            y = builder.select(builder.fcmp_ordered("<=", x, ir.Constant(VF, [-10.0] * L)), ir.Constant(VF, [0.0] * L), y)
+            builder.store(y, at(oa, i), align=4)
+        return done
+
+    return sig, codegen
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _geglu_tanh(gb, g0, ub, u0, out, table):
     """gelu(g) * u as ggml_vec_geglu_f32 with GGML_GELU_FP16: 0 below -10, g * u above 10, else the
     table entry of f16(g), times u. g, u and out as _swiglu's. Selects, not branches: every f16
-    pattern has a table entry, and the loop runs without a mispredicted branch per element."""
+    pattern has a table entry, and the loop runs without a mispredicted branch per element. Whole
+    groups of lanes in _gelu_lanes, the rest here."""
     nc = (out.shape[1] + CHUNK - 1) // CHUNK
     for t in prange(out.shape[0] * nc):
         gc, uc, oc = _glu_chunk(gb, g0, ub, u0, out, t, nc)
-        for i in range(gc.shape[0]):
+        for i in range(_gelu_lanes(gc, uc, oc, table), gc.shape[0]):
             x, u = gc[i], uc[i]
             y = table[f16_bits(x)] * u
             y = x * u if x >= np.float32(10.0) else y

@@ -118,6 +118,38 @@ def test_glu(fn, ref, shape):
         np.testing.assert_allclose(got, ref(g, u), rtol=RTOL, atol=ATOL)
 
 
+
+@pytest.mark.parametrize("serial", [False, True], ids=["parallel", "serial"])
+def test_geglu_is_the_float16_table_formula_for_every_pattern(serial):
+    """The kernel (its gathered groups of lanes and the scalar rest of each chunk) against ggml's
+    formula written in numpy: table[f16(g)] * u, g * u from 10 up, 0 from -10 down. Every float16
+    pattern, the values halfway between neighbours (ties to even), ±10 and its neighbours, ±inf
+    and NaN, read in place from a fused gate/up buffer at odd column offsets, rows of a length that
+    is no multiple of the lanes or of the 4,096-element chunks."""
+    from kernels.cpu.ops import _geglu_tanh, _geglu_tanh_serial, gelu_table
+
+    table = gelu_table()
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        mid = ((h[:-1].astype(np.float64) + h[1:]) / 2).astype(np.float32)
+    edge = np.array([10, -10, np.nextafter(np.float32(10), 0), np.nextafter(np.float32(-10), 0),
+                     np.nextafter(np.float32(10), 20), np.nextafter(np.float32(-10), -20), np.inf, -np.inf, np.nan], np.float32)
+    g = np.concatenate([h, mid[np.isfinite(mid)], edge])
+    n = 4096 * 3 + 29                                   # per row: three whole chunks and a ragged one
+    rows = -(-g.size // n)
+    g = np.resize(g, rows * n).reshape(rows, n)
+    u = np.random.default_rng(3).standard_normal((rows, n)).astype(np.float32)
+    fused = np.full((rows, 5 + 2 * n + 3), np.float32(7.0))
+    fused[:, 5:5 + n], fused[:, 5 + n + 3:] = g, u
+    out = np.empty((rows, n), np.float32)
+    (_geglu_tanh_serial if serial else _geglu_tanh)(fused, 5, fused, 5 + n + 3, out, table)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = table[g.astype(np.float16).view(np.uint16)] * u
+        want = np.where(g >= 10, g * u, want)
+        want = np.where(g <= -10, np.float32(0), want)
+    same = (out.view(np.uint32) == want.view(np.uint32)) | (np.isnan(out) & np.isnan(want))
+    assert same.all(), f"{(~same).sum()} elements differ, first at {np.argwhere(~same)[0]}"
+
 def test_glu_extremes_are_finite():
     g = np.array([-100.0, -20.0, 0.0, 20.0, 100.0], np.float32)
     u = np.ones_like(g)
