@@ -25,8 +25,8 @@ from numba import njit, typed, typeof
 from kernels.cpu.attention import (WIDE_KV_BYTES, _decode_pv, _decode_rows, _decode_scores, _decode_softmax, _prefill, _write_kv_slots,
                                    _write_kv_slots_serial)
 from kernels.cpu.attention_online import decode_partial, decode_partial_v, merge_splits, prefill_online
-from kernels.cpu.ops import (_geglu_tanh, _geglu_tanh_serial, _head_rows, _head_rows_serial, _rms_norm, _rms_norm_serial,
-                             _swiglu, _swiglu_serial, soft_cap_rows)
+from kernels.cpu.ops import (_add_rows, _add_rows_serial, _geglu_tanh, _geglu_tanh_serial, _head_rows, _head_rows_serial,
+                             _rms_norm, _rms_norm_serial, _swiglu, _swiglu_serial, soft_cap_rows)
 from kernels.cpu.qdot import Q8Buffers, matmul_row, quantize_into
 from kernels.types import ACT_KIND, TRAITS
 
@@ -141,6 +141,16 @@ def _norm(x, w, eps, out, parallel):
 
 
 @njit(cache=True, error_model="numpy")
+def _residual(x, y, parallel):
+    """x += y, the residual add of rows y (a view of a projection's output) to x, across threads or
+    on the calling thread (as _norm)."""
+    if parallel:
+        _add_rows(x, y)
+    else:
+        _add_rows_serial(x, y)
+
+
+@njit(cache=True, error_model="numpy")
 def _attn_inputs(w, cs, k_cache, v_cache, plan, b):
     """T tokens' q, k, v (members of the fused q/k/v outputs b.qkv, read in place) as attention
     takes them, in the order of llama.cpp's graph: biases, per-head RMSNorm of q and k, rope (cs:
@@ -200,15 +210,13 @@ def _attend(w, k_cache, v_cache, plan, b):
                 _decode_pv(S, v_cache, table, key0, hi, b.att[r])
     for s in range(plan.segs.shape[0]):
         r0, n, start, q_tile, paired = plan.segs[s]
-        q = np.ascontiguousarray(b.q16[r0:r0 + n])
-        out = np.empty_like(q)
+        q, out = b.q16[r0:r0 + n], b.att[r0:r0 + n]        # the rows in place (C-contiguous slices)
         if plan.online:
             prefill_online(q, k_cache, v_cache, plan.seg_tables[s], start, w.kq_scale, w.softcap, plan.window,
                            q_tile, paired != 0, out)
         else:
             _prefill(q, k_cache, v_cache, plan.seg_tables[s], start, w.kq_scale, w.softcap, plan.window, q_tile,
                      paired != 0, WIDE_KV_BYTES, out)
-        b.att[r0:r0 + n] = out
 
 
 @njit(cache=True, error_model="numpy")
@@ -282,7 +290,7 @@ def _ffn(x, w, b):
         _norm(d, w.post_ffn_norm, w.eps, d, T > 1)
     if w.residual_scale != 0:
         _scale(d, w.residual_scale)
-    x += d
+    _residual(x, d, T > 1)
 
 
 @njit(cache=True, error_model="numpy")
@@ -290,7 +298,7 @@ def layer(x, cs, w, k_cache, v_cache, plan, b):
     """One decoder layer for rows x (T, D), in place. cs: rope's cos/sin of the rows' positions;
     k_cache, v_cache: this layer's float16 cache as uint16; plan: attention.AttentionPlan for this
     layer's window; b: the rows' buffers and runs."""
-    x += _attention(x, cs, w, k_cache, v_cache, plan, b)
+    _residual(x, _attention(x, cs, w, k_cache, v_cache, plan, b), x.shape[0] > 1)
     _ffn(x, w, b)
 
 

@@ -305,6 +305,14 @@ def _add_row(x, b, out):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
+def _add_rows(x, y):
+    """x += y for rows (T, D) (the residual adds; y may be a view of a wider buffer), rows across
+    threads: one float32 rounding each, as ggml_add."""
+    for t in prange(x.shape[0]):
+        _add_row(x[t], y[t], x[t])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
 def _rope(x, cs, neox, out):
     """x (T, H, hd) -> out, rope (_rope_row) with token t's cos/sin cs[t]; heads inner, so each
     token's table is read once."""
@@ -349,6 +357,7 @@ def _head_rows(x, c0, bias, norm_w, eps, cs, neox, scale, to_f16, out):
 
 
 _rope_serial = serial_twin(_rope)
+_add_rows_serial = serial_twin(_add_rows)
 _head_rows_serial = serial_twin(_head_rows)
 _rope_table_serial = serial_twin(_rope_table)
 
