@@ -476,6 +476,9 @@ def _gelu_lanes(typingctx, g, u, out, table):
     length), GELU_LANES at a time, each group's table entries in one gather (llvm.masked.gather:
     vgatherdps). The table (256 KB) lives in L2, and the scalar loop's lookups, one load per
     element, waited there. Returns how many elements it did; the caller does the rest."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32
+               for a in (g, u, out, table)):
+        return None          # no signature: the loads below address the arrays as contiguous float32
     sig = types.intp(g, u, out, table)
 
     def codegen(context, builder, signature, args):
