@@ -22,6 +22,8 @@ from models.architectures import load_model
 Progress = Callable[[str, int, int], None]
 # A warm-up step slower than this compiled kernels rather than loading them from the cache.
 COMPILED_S = 1.0
+# The warm-up's stage where numba's cache is empty (a machine's first start): minutes, not a second.
+COMPILING = "compiling kernels for this CPU (once; a few minutes)"
 
 
 def _keep_freed_memory() -> None:
@@ -44,6 +46,19 @@ def _keep_freed_memory() -> None:
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     mallopt(M_MMAP_THRESHOLD, 1 << 30)
     mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def kernels_compiled() -> bool:
+    """Whether numba's cache already holds the layer loop (kernels/cpu/fused.py `layers`) for this
+    instruction-set choice: False on a machine's first start, or the first after the kernels
+    changed, when preparing them means compiling for minutes rather than loading in about a second,
+    which the start should say. (An index file of numba's cache, found by numba's private names;
+    where they move, True: the start then says nothing more.)"""
+    from kernels.cpu import fused
+    try:
+        return os.path.exists(fused.layers._cache._cache_file._index_path)
+    except AttributeError:
+        return True
 
 
 def _stderr_progress(what: str, done: int, total: int) -> None:
@@ -94,11 +109,12 @@ class NativeBackend(PagedBackend):
         from kernels.cpu.ops import all_parallel
 
         t0 = time.perf_counter()
-        self.progress("preparing kernels", 0, 2)
+        stage = "preparing kernels" if kernels_compiled() else COMPILING
+        self.progress(stage, 0, 2)
         self.extend([self.tokenizer.bos_id or 0] * 5)
         self.extend([self.tokenizer.bos_id or 0])
         self.seq.release()
-        self.progress("preparing kernels", 1, 2)
+        self.progress(stage, 1, 2)
         if time.perf_counter() - t0 > COMPILED_S:
             # numba compiled (an empty cache): the multi-threaded variants that a long prompt and a
             # long context take would compile inside the user's first such prompt; do them now.
@@ -107,7 +123,7 @@ class NativeBackend(PagedBackend):
                 self.extend([self.tokenizer.bos_id or 0] * 5)
                 self.extend([self.tokenizer.bos_id or 0])
             self.seq.release()
-        self.progress("preparing kernels", 2, 2)
+        self.progress(stage, 2, 2)
 
     def new_cache(self, n_blocks: int | None = None) -> PagedKVCache:
         cfg = self.model.cfg

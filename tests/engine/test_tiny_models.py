@@ -378,3 +378,25 @@ def test_decode_rows_in_one_region_equal_the_split_kernels(arch, tiny_model, mon
     native.close()
     np.testing.assert_array_equal(runs[True][0], runs[False][0])
     np.testing.assert_array_equal(runs[True][1], runs[False][1])
+
+
+KERNELS_COMPILED = "import core; from core.native_backend import kernels_compiled; print(kernels_compiled())"
+
+
+def test_a_start_says_when_it_compiles_the_kernels(tiny_model, tmp_path):
+    """A start from numba's cache says "preparing kernels" (about a second); with an empty cache
+    (a machine's first start: numba compiles for minutes) kernels_compiled() is False, and the start
+    says it is compiling. That compile is not run through here: it is the minutes."""
+    import os
+    import subprocess
+    import sys
+
+    from core.native_backend import COMPILING, kernels_compiled
+    g, tok = tiny_model("qwen2", "Q8_0")
+    stages = []
+    NativeBackend(g, tok, 64, 2, progress=lambda stage, done, total: stages.append(stage)).close()
+    assert kernels_compiled() and "preparing kernels" in stages and COMPILING not in stages
+    for cache, expected in ((tmp_path, "False"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | ({"NUMBA_CACHE_DIR": str(cache)} if cache else {})
+        proc = subprocess.run([sys.executable, "-c", KERNELS_COMPILED], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr[-2000:]
