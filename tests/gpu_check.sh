@@ -91,7 +91,7 @@ wait $fill || tail -5 /tmp/twins.log
 wait $engine
 [ -f "$out/pytest.log" ] && grep -E "FAILED|ERROR|passed|failed|pytest exit" "$out/pytest.log" | tail -30
 profile=/tmp/${PROFILE:-qwen2.5-coder-1.5b-instruct}.gguf
-[ -f "$profile" ] && timeout 90 python3 -m tests.gpu_profile "$profile" 2>&1 | tee "$out/profile.txt"
+[ -f "$profile" ] && timeout 120 python3 -m tests.gpu_profile "$profile" 2>&1 | tee "$out/profile.txt"
 for twin in "${twins[@]}"; do
   timeout "${BENCH_S:-150}" kvchat bench -m "$twin" --backend torch --device cuda -r "${BENCH_R:-3}" 2>&1 \
     | grep -v "de-quantizing\|Loading weights" | tee "$out/bench-$(basename "$twin" .gguf).txt"

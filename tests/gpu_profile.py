@@ -1,5 +1,7 @@
-"""Where a torch-engine decode step's time goes on a GPU: the step's wall time replayed from CUDA
-graphs and run eagerly, and the eager step's kernels by their CUDA time (torch.profiler).
+"""Where the torch engine's time goes on a GPU: a decode step's wall time replayed from CUDA graphs
+and run eagerly, the eager step's kernels by their CUDA time (torch.profiler), and the same for a
+512-token prompt (bench's pp512 on the GPU was 0.18-0.32x transformers' in the fifth GPU session:
+this says which kernels to go after).
 
     python3 -m tests.gpu_profile MODEL.gguf      (tests/gpu_check.sh runs it on the 1.5B's twin)
 """
@@ -44,6 +46,24 @@ def main(path: str) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         steps(5)
     print("5 eager steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+
+    long = [int(t) for t in np.random.default_rng(1).integers(10, 1000, 512)]
+
+    def prompt_pass() -> None:
+        be.seq.release()
+        be.extend(long)
+        torch.cuda.synchronize()
+
+    prompt_pass()                                           # compiles and tunes for this length
+    t = time.perf_counter()
+    for _ in range(3):
+        prompt_pass()
+    dt = (time.perf_counter() - t) / 3
+    print(f"prompt of {len(long)} tokens: {dt * 1e3:.1f} ms ({len(long) / dt:.0f} tokens/s)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prompt_pass()
+    print(f"one {len(long)}-token prompt:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
 
 
