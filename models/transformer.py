@@ -562,8 +562,10 @@ class Decoder:
         k_cache, v_cache = kv.k_cache, kv.v_cache
         bufs: dict = {}                     # block shape -> its buffers for this pass
         threads = moe.threads()             # (the experts' layers split their work by it)
+        online = fused.softmax_choice(next(iter(plans.values())))     # (one softmax for every layer)
         last = len(self.blocks) - 1
-        first = self._run_compiled(x, runs, T, tables, plans, k_cache, v_cache, last if keep is not None else last + 1, bufs)
+        first = self._run_compiled(x, runs, T, tables, plans, k_cache, v_cache, last if keep is not None else last + 1,
+                                   bufs, online)
         for il, block in enumerate(self.blocks[first:], first):
             b = self._shape_buffers(block, runs, T, bufs)
             args = (x, tables[block.rope], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
@@ -572,20 +574,20 @@ class Decoder:
                 m = block.experts
                 if il == last and keep is not None:
                     x = moe.last_layer(x, *args[1:3], m, *args[3:], keep, self._buffers(block, keep_runs, len(keep)),
-                                       self._expert_buffers(block, len(keep)), threads)
+                                       self._expert_buffers(block, len(keep)), threads, online)
                 else:
-                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T), threads)
+                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T), threads, online)
             elif il == last and keep is not None:
-                x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)))
+                x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)), online)
             else:
-                fused.layer(*args)
+                fused.layer(*args, online)
         return self._logits(x, keep_runs, vocab_limit)
 
     def _run_compiled(self, x, runs: tuple, T: int, tables: dict, plans: dict, k_cache, v_cache, n: int,
-                      bufs: dict) -> int:
+                      bufs: dict, online: bool | None) -> int:
         """Layers 0 .. n-1 through fused.layers, where the model allows it (_compiled_loop); returns how
         many layers it ran, for the Python loop to go on from (bufs: the pass's buffers by block shape,
-        filled here for it)."""
+        filled here for it; online: fused.softmax_choice)."""
         if self._loop is None or n == 0:
             return 0
         ropes, windows, second, weights = self._loop
@@ -594,7 +596,7 @@ class Decoder:
         if per_layer is None or kcs is None or vcs is None:
             return 0
         fused.layers(x, n, tables[ropes[0]], tables[ropes[-1]], plans[windows[0]], plans[windows[-1]], second,
-                     weights, kcs, vcs, per_layer)
+                     weights, kcs, vcs, per_layer, online)
         return n
 
     def _shape_buffers(self, block: Block, runs: tuple, T: int, by_shape: dict) -> fused.RowBuffers:

@@ -173,11 +173,20 @@ def _attn_inputs(w, cs, k_cache, v_cache, plan, b):
         _write_kv_slots_serial(k_cache, v_cache, plan.slots, b.kbuf, b.vbuf)
 
 
+def softmax_choice(plan) -> bool | None:
+    """The `online` argument of layer, layers and last_layer for a pass with this plan: None for
+    llama.cpp's softmax, True for online (flash) attention. It is told apart by its type, not its
+    value, so numba drops the other choice's branches before compiling (an `is None` test of an
+    argument) and a model's first start compiles only the attention kernels it takes."""
+    return True if plan.online else None
+
+
 @njit(cache=True, error_model="numpy")
-def _attend(w, k_cache, v_cache, plan, b):
+def _attend(w, k_cache, v_cache, plan, b, online):
     """Attention of every row (b.q16, its keys already in the cache) into b.att: decode rows with
     the one-token kernels (row by row, split over the keys; or all at once across sequences),
-    prompt segments with the prefill kernels; llama.cpp's softmax, or online (flash) attention."""
+    prompt segments with the prefill kernels; llama.cpp's softmax, or online (flash) attention
+    (online: softmax_choice(plan))."""
     Hq, hd = w.n_head, w.head_dim
     R = plan.rows.shape[0]
     if plan.together:
@@ -191,7 +200,7 @@ def _attend(w, k_cache, v_cache, plan, b):
         for i in range(R):
             r, hi, lo, chunk, key0 = plan.rows[i]
             table = plan.tables[i]
-            if plan.online:
+            if online is not None:
                 n_splits = -(-(hi - lo) // chunk)
                 o_part = np.empty((Hq, n_splits, hd), np.float32)
                 m_part = np.empty((Hq, n_splits), np.float32)
@@ -211,7 +220,7 @@ def _attend(w, k_cache, v_cache, plan, b):
     for s in range(plan.segs.shape[0]):
         r0, n, start, q_tile, paired = plan.segs[s]
         q, out = b.q16[r0:r0 + n], b.att[r0:r0 + n]        # the rows in place (C-contiguous slices)
-        if plan.online:
+        if online is not None:
             prefill_online(q, k_cache, v_cache, plan.seg_tables[s], start, w.kq_scale, w.softcap, plan.window,
                            q_tile, paired != 0, out)
         else:
@@ -248,14 +257,14 @@ def _part(where, m, outs):
 
 
 @njit(cache=True, error_model="numpy")
-def _attention(x, cs, w, k_cache, v_cache, plan, b):
+def _attention(x, cs, w, k_cache, v_cache, plan, b, online):
     """The attention half for rows x (T, D): returns its output (T, D) (a view of b.o)."""
     T, D = x.shape
     Hq, hd = w.n_head, w.head_dim
     _norm(x, w.attn_norm, w.eps, b.h, T > 1)
     _project(b.h, w.qkv, b.q8_d, b.runs, b.qkv[0], b.qkv[1], b.qkv[2])
     _attn_inputs(w, cs, k_cache, v_cache, plan, b)
-    _attend(w, k_cache, v_cache, plan, b)
+    _attend(w, k_cache, v_cache, plan, b, online)
     quantize_into(b.att.reshape(T, Hq * hd), ACT_KIND[w.wo_type], b.q8_o)
     matmul_row(w.wo, w.wo_type, b.q8_o, b.runs, b.o)
     o = b.o[:, :D]
@@ -294,23 +303,23 @@ def _ffn(x, w, b):
 
 
 @njit(cache=True, error_model="numpy")
-def layer(x, cs, w, k_cache, v_cache, plan, b):
+def layer(x, cs, w, k_cache, v_cache, plan, b, online):
     """One decoder layer for rows x (T, D), in place. cs: rope's cos/sin of the rows' positions;
     k_cache, v_cache: this layer's float16 cache as uint16; plan: attention.AttentionPlan for this
-    layer's window; b: the rows' buffers and runs."""
-    _residual(x, _attention(x, cs, w, k_cache, v_cache, plan, b), x.shape[0] > 1)
+    layer's window; b: the rows' buffers and runs; online: softmax_choice(plan)."""
+    _residual(x, _attention(x, cs, w, k_cache, v_cache, plan, b, online), x.shape[0] > 1)
     _ffn(x, w, b)
 
 
 @njit(cache=True, error_model="numpy")
-def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs):
+def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs, online):
     """layer for layers 0 .. n-1 in turn, in one compiled call: a decode step of a small model
     otherwise spends a share of its time in Python, calling and typing each layer's arguments (README:
     measured). ws, k_caches, v_caches, bufs: each layer's weights, cache and buffers (stack); layer
     il takes rope table cs1 where second[il, 0], else cs0, and plan1 where second[il, 1], else plan0."""
     for il in range(n):
         layer(x, cs1 if second[il, 0] else cs0, ws[il], k_caches[il], v_caches[il],
-              plan1 if second[il, 1] else plan0, bufs[il])
+              plan1 if second[il, 1] else plan0, bufs[il], online)
 
 
 def stack(items: list):
@@ -328,11 +337,11 @@ def stack(items: list):
 
 
 @njit(cache=True, error_model="numpy")
-def last_layer(x, cs, w, k_cache, v_cache, plan, b, keep, bk):
+def last_layer(x, cs, w, k_cache, v_cache, plan, b, keep, bk, online):
     """layer where only the rows `keep` go on after attention (those whose logits are wanted, as
     llama.cpp's graph keeps them, so the FFN sees a batch of that size): returns them (K, D).
     bk: the kept rows' buffers and runs."""
-    o = _attention(x, cs, w, k_cache, v_cache, plan, b)
+    o = _attention(x, cs, w, k_cache, v_cache, plan, b, online)
     y = np.empty((keep.shape[0], x.shape[1]), np.float32)
     for i in range(keep.shape[0]):
         y[i] = x[keep[i]] + o[keep[i]]

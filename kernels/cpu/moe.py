@@ -288,18 +288,18 @@ def _by_expert(h, m, runs, eb):
 
 
 @njit(cache=True, error_model="numpy")
-def layer(x, cs, w, m, k_cache, v_cache, plan, b, eb, n_threads):
+def layer(x, cs, w, m, k_cache, v_cache, plan, b, eb, n_threads, online):
     """fused.layer with the experts m (and their buffers eb) as the FFN; n_threads: numba's threads
     (threads(): compiled code that asks numba for them cannot be cached)."""
-    x += _attention(x, cs, w, k_cache, v_cache, plan, b)
+    x += _attention(x, cs, w, k_cache, v_cache, plan, b, online)
     _moe_ffn(x, w, m, b, eb, n_threads)
 
 
 @njit(cache=True, error_model="numpy")
-def last_layer(x, cs, w, m, k_cache, v_cache, plan, b, keep, bk, ebk, n_threads):
+def last_layer(x, cs, w, m, k_cache, v_cache, plan, b, keep, bk, ebk, n_threads, online):
     """fused.last_layer with the experts as the FFN: only the rows `keep` go on after attention
     (llama.cpp routes the kept rows alone). bk, ebk: the kept rows' buffers."""
-    o = _attention(x, cs, w, k_cache, v_cache, plan, b)
+    o = _attention(x, cs, w, k_cache, v_cache, plan, b, online)
     y = np.empty((keep.shape[0], x.shape[1]), np.float32)
     for i in range(keep.shape[0]):
         y[i] = x[keep[i]] + o[keep[i]]
