@@ -21,6 +21,14 @@ from core.types import SamplingParams
 from models.gguf_file import open_model
 
 
+def kernel_table(title: str, run) -> None:
+    """run() under torch.profiler: its kernels by CUDA time."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    print(f"{title}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+
+
 def main(path: str) -> None:
     g = open_model(path)
     tok = Tokenizer.from_gguf(g)
@@ -43,10 +51,7 @@ def main(path: str) -> None:
         steps(30)
         dt = (time.perf_counter() - t) / 30
         print(f"decode step, {name}: {dt * 1e3:.2f} ms ({1 / dt:.1f} tokens/s)")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        steps(5)
-    print("5 eager steps:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+    kernel_table("5 eager steps", lambda: steps(5))
 
     long = [int(t) for t in np.random.default_rng(1).integers(10, 1000, 512)]
 
@@ -61,10 +66,7 @@ def main(path: str) -> None:
         prompt_pass()
     dt = (time.perf_counter() - t) / 3
     print(f"prompt of {len(long)} tokens: {dt * 1e3:.1f} ms ({len(long) / dt:.0f} tokens/s)")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        prompt_pass()
-    print(f"one {len(long)}-token prompt:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
+    kernel_table(f"one {len(long)}-token prompt", prompt_pass)
 
 
 if __name__ == "__main__":

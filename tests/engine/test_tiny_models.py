@@ -16,12 +16,15 @@ two roundings can order alike).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from core.llamacpp_backend import LlamaCppBackend
-from core.native_backend import NativeBackend
+from core.native_backend import COMPILING, NativeBackend, kernels_compiled
 from kernels.cpu import moe
 from models.architectures import load_config
 from models.errors import BadInputError
@@ -387,11 +390,6 @@ def test_a_start_says_when_it_compiles_the_kernels(tiny_model, tmp_path):
     """A start from numba's cache says "preparing kernels" (about a second); with an empty cache
     (a machine's first start: numba compiles for minutes) kernels_compiled() is False, and the start
     says it is compiling. That compile is not run through here: it is the minutes."""
-    import os
-    import subprocess
-    import sys
-
-    from core.native_backend import COMPILING, kernels_compiled
     g, tok = tiny_model("qwen2", "Q8_0")
     stages = []
     NativeBackend(g, tok, 64, 2, progress=lambda stage, done, total: stages.append(stage)).close()
