@@ -14,6 +14,11 @@ Its inputs are three named tuples, which numba types field by field:
 - `RowBuffers`: the T-row work buffers and the rows' matmul runs (pooled by models.transformer, shared
   by layers of one shape);
 - `attention.AttentionPlan`: where the rows look in the paged cache (kernels.cpu.attention).
+
+The layer's orchestration (`layer`, `_attention`, `_ffn`, `_project`) is inlined into its callers
+by numba (inline="always"). numba links each compiled function's callees into its own module and
+has LLVM optimize and emit them again, so each of these levels cost a first start all its kernels'
+LLVM time once more; inlined, only `layers` and `last_layer` do (README: measured).
 """
 from __future__ import annotations
 
@@ -160,16 +165,19 @@ def _attn_inputs(w, cs, k_cache, v_cache, plan, b):
     qb, q0 = _part(w.qkv.where, 0, b.qkv)
     kb, k0 = _part(w.qkv.where, 1, b.qkv)
     vb, v0 = _part(w.qkv.where, 2, b.qkv)
-    no_rope = cs[:, :, :0]
+    # q, k and v pass arguments of one numba type each (flags as values, not literals; v's absent
+    # norm and rope as writable C arrays), so that a first start compiles one _head_rows, not three
+    yes, no, one = np.bool_(True), np.bool_(False), np.float32(1.0)
+    no_norm, no_rope = np.empty(0, np.float32), np.ascontiguousarray(cs[:, :, :0])
     if T > 1:
-        _head_rows(qb, q0, w.bq, w.q_norm, w.eps, cs, w.rope_neox, w.q_scale, True, b.q16)
-        _head_rows(kb, k0, w.bk, w.k_norm, w.eps, cs, w.rope_neox, np.float32(1.0), False, b.kbuf)
-        _head_rows(vb, v0, w.bv, NONE, w.eps, no_rope, False, np.float32(1.0), False, b.vbuf)
+        _head_rows(qb, q0, w.bq, w.q_norm, w.eps, cs, w.rope_neox, w.q_scale, yes, b.q16)
+        _head_rows(kb, k0, w.bk, w.k_norm, w.eps, cs, w.rope_neox, one, no, b.kbuf)
+        _head_rows(vb, v0, w.bv, no_norm, w.eps, no_rope, w.rope_neox, one, no, b.vbuf)
         _write_kv_slots(k_cache, v_cache, plan.slots, b.kbuf, b.vbuf)
     else:
-        _head_rows_serial(qb, q0, w.bq, w.q_norm, w.eps, cs, w.rope_neox, w.q_scale, True, b.q16)
-        _head_rows_serial(kb, k0, w.bk, w.k_norm, w.eps, cs, w.rope_neox, np.float32(1.0), False, b.kbuf)
-        _head_rows_serial(vb, v0, w.bv, NONE, w.eps, no_rope, False, np.float32(1.0), False, b.vbuf)
+        _head_rows_serial(qb, q0, w.bq, w.q_norm, w.eps, cs, w.rope_neox, w.q_scale, yes, b.q16)
+        _head_rows_serial(kb, k0, w.bk, w.k_norm, w.eps, cs, w.rope_neox, one, no, b.kbuf)
+        _head_rows_serial(vb, v0, w.bv, no_norm, w.eps, no_rope, w.rope_neox, one, no, b.vbuf)
         _write_kv_slots_serial(k_cache, v_cache, plan.slots, b.kbuf, b.vbuf)
 
 
@@ -189,7 +197,7 @@ def _attend(w, k_cache, v_cache, plan, b, online):
     (online: softmax_choice(plan))."""
     Hq, hd = w.n_head, w.head_dim
     R = plan.rows.shape[0]
-    if plan.together:
+    if online is None and plan.together:        # (never online: attention_plan)
         out = np.empty((R, Hq, hd), np.float32)
         rows = np.ascontiguousarray(plan.rows[:, 0])
         _decode_rows(b.q16[rows], k_cache, v_cache, plan.tables, np.ascontiguousarray(plan.rows[:, 1]), plan.window,
@@ -228,7 +236,7 @@ def _attend(w, k_cache, v_cache, plan, b, online):
                      paired != 0, WIDE_KV_BYTES, out)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _project(h, p, q8, runs, o0, o1, o2):
     """A projection's parts for rows h: h is quantized once per vec-dot type, as llama.cpp's graph
     shares it."""
@@ -256,7 +264,7 @@ def _part(where, m, outs):
     return (outs[0] if part == 0 else (outs[1] if part == 1 else outs[2])), where[m, 1]
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _attention(x, cs, w, k_cache, v_cache, plan, b, online):
     """The attention half for rows x (T, D): returns its output (T, D) (a view of b.o)."""
     T, D = x.shape
@@ -275,7 +283,7 @@ def _attention(x, cs, w, k_cache, v_cache, plan, b, online):
     return o
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _ffn(x, w, b):
     """The feed-forward half for rows x (T, D), added to x in place."""
     T, D = x.shape
@@ -302,7 +310,7 @@ def _ffn(x, w, b):
     _residual(x, d, T > 1)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def layer(x, cs, w, k_cache, v_cache, plan, b, online):
     """One decoder layer for rows x (T, D), in place. cs: rope's cos/sin of the rows' positions;
     k_cache, v_cache: this layer's float16 cache as uint16; plan: attention.AttentionPlan for this
