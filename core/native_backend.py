@@ -109,8 +109,14 @@ class NativeBackend(PagedBackend):
         from kernels.cpu.ops import all_parallel
 
         t0 = time.perf_counter()
-        stage = "preparing kernels" if kernels_compiled() else COMPILING
+        compiled = kernels_compiled()
+        stage = "preparing kernels" if compiled else COMPILING
         self.progress(stage, 0, 2)
+        if not compiled and (os.cpu_count() or 1) > 1:
+            from core.precompile import compile_in_two
+            failed = compile_in_two(self.model)
+            if failed:
+                print(f"kvchat: the second compile process failed ({failed}); compiling on one core", file=sys.stderr)
         self.extend([self.tokenizer.bos_id or 0] * 5)
         self.extend([self.tokenizer.bos_id or 0])
         self.seq.release()

@@ -16,7 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -428,6 +428,20 @@ class Block:
             (int(t), a.shape[1:]) for t, a in ((gt, gate), (ut, up), (dt, down))))
 
 
+class _Pass(NamedTuple):
+    """One forward pass's rows and what its layers share (Decoder._setup)."""
+    x: np.ndarray             # (T, D) the rows, updated layer by layer
+    T: int
+    runs: tuple               # qdot.run_arrays of the rows
+    keep: np.ndarray | None   # the rows the last layer keeps (None: all)
+    keep_runs: tuple          # ... and their runs
+    tables: dict              # rope key -> cos/sin (T, 2, n_rot/2)
+    plans: dict               # window -> attention.AttentionPlan
+    k_cache: Sequence[np.ndarray]
+    v_cache: Sequence[np.ndarray]
+    online: bool | None       # fused.softmax_choice
+
+
 class Decoder:
     """Token embedding -> n_layer Blocks -> final norm -> output projection (tied to the embedding if absent).
 
@@ -530,11 +544,9 @@ class Decoder:
         return self._pooled(T, ("experts", block.expert_shape, T),
                             lambda: moe.expert_buffers(block.experts, T, self.cfg.n_embd))
 
-    def _pass(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool,
-              vocab_limit: int | None = None) -> np.ndarray:
-        """Embedding, every layer and the logits of the rows wanted (every row, or each segment's
-        last): (T,) -> (rows wanted, n_vocab or vocab_limit). As in llama.cpp's graph, the last layer
-        keeps only those rows after its attention."""
+    def _setup(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool) -> "_Pass":
+        """What every layer of a pass reads: the embedded rows, their runs, rope tables and
+        attention plans, and which rows the last layer keeps (every row, or each segment's last)."""
         cfg = self.cfg
         segments = [(seg[0], int(seg[1]), int(seg[2]),
                      bool(seg[3]) if len(seg) > 3 and seg[3] is not None else int(seg[2]) == 1)
@@ -559,29 +571,48 @@ class Decoder:
         bs = kv.k_cache[0].shape[1]
         plans = {w: attention_plan(rows, w, cfg.n_head, cfg.n_head_kv, cfg.head_dim, bs, self.softmax)
                  for w in set(cfg.layer_window)}
-        k_cache, v_cache = kv.k_cache, kv.v_cache
+        online = fused.softmax_choice(next(iter(plans.values())))     # (one softmax for every layer)
+        return _Pass(x, T, runs, keep, keep_runs, tables, plans, kv.k_cache, kv.v_cache, online)
+
+    def _layer_args(self, p: "_Pass", il: int, bufs: dict) -> tuple:
+        """fused.layer's arguments after the rows for layer il of pass p (bufs: the pass's buffers by
+        block shape)."""
+        block = self.blocks[il]
+        return (p.tables[block.rope], block.weights, p.k_cache[il].view(np.uint16),
+                p.v_cache[il].view(np.uint16), p.plans[block.window], self._shape_buffers(block, p.runs, p.T, bufs))
+
+    def layer_args(self, tokens: np.ndarray, start_pos: int, kv: KVView) -> tuple:
+        """fused.layer's arguments for the first layer of a pass of these tokens (their slots held in
+        kv), without running it: what kernels.cpu.fused.precompile types its share of the kernels by."""
+        p = self._setup(np.asarray(tokens, np.int64).reshape(-1), [(kv, int(start_pos), len(tokens))], False)
+        return (p.x, *self._layer_args(p, 0, {}), p.online)
+
+    def _pass(self, tokens: np.ndarray, segments: Sequence[Segment], all_rows: bool,
+              vocab_limit: int | None = None) -> np.ndarray:
+        """Embedding, every layer and the logits of the rows wanted (every row, or each segment's
+        last): (T,) -> (rows wanted, n_vocab or vocab_limit). As in llama.cpp's graph, the last layer
+        keeps only those rows after its attention."""
+        p = self._setup(tokens, segments, all_rows)
+        x, keep, online = p.x, p.keep, p.online
         bufs: dict = {}                     # block shape -> its buffers for this pass
         threads = moe.threads()             # (the experts' layers split their work by it)
-        online = fused.softmax_choice(next(iter(plans.values())))     # (one softmax for every layer)
         last = len(self.blocks) - 1
-        first = self._run_compiled(x, runs, T, tables, plans, k_cache, v_cache, last if keep is not None else last + 1,
-                                   bufs, online)
+        first = self._run_compiled(x, p.runs, p.T, p.tables, p.plans, p.k_cache, p.v_cache,
+                                   last if keep is not None else last + 1, bufs, online)
         for il, block in enumerate(self.blocks[first:], first):
-            b = self._shape_buffers(block, runs, T, bufs)
-            args = (x, tables[block.rope], block.weights, k_cache[il].view(np.uint16), v_cache[il].view(np.uint16),
-                    plans[block.window], b)
+            args = (x, *self._layer_args(p, il, bufs))
             if block.experts is not None:           # the same, with the experts as the FFN
                 m = block.experts
                 if il == last and keep is not None:
-                    x = moe.last_layer(x, *args[1:3], m, *args[3:], keep, self._buffers(block, keep_runs, len(keep)),
+                    x = moe.last_layer(x, *args[1:3], m, *args[3:], keep, self._buffers(block, p.keep_runs, len(keep)),
                                        self._expert_buffers(block, len(keep)), threads, online)
                 else:
-                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, T), threads, online)
+                    moe.layer(x, *args[1:3], m, *args[3:], self._expert_buffers(block, p.T), threads, online)
             elif il == last and keep is not None:
-                x = fused.last_layer(*args, keep, self._buffers(block, keep_runs, len(keep)), online)
+                x = fused.last_layer(*args, keep, self._buffers(block, p.keep_runs, len(keep)), online)
             else:
                 fused.layer(*args, online)
-        return self._logits(x, keep_runs, vocab_limit)
+        return self._logits(x, p.keep_runs, vocab_limit)
 
     def _run_compiled(self, x, runs: tuple, T: int, tables: dict, plans: dict, k_cache, v_cache, n: int,
                       bufs: dict, online: bool | None) -> int:

@@ -357,6 +357,26 @@ def last_layer(x, cs, w, k_cache, v_cache, plan, b, keep, bk, online):
     return y
 
 
+# The shares of `layer`'s compile that share_signatures splits it into.
+SHARES = ("attention", "matmuls")
+
+
+def share_signatures(args: tuple, share: str) -> list:
+    """One share of `layer`'s kernels as [(kernel, signature)], typed as `layer` types its calls for
+    the arguments `args` (models' Decoder.layer_args): "attention" its inputs' and attention's
+    kernels, "matmuls" the activation quantizers and every type's products. numba compiles on one
+    core; a first start compiles the two shares in two processes at once, and the layer loop then
+    links both from the cache (core.precompile)."""
+    x, cs, w, k_cache, v_cache, plan, b, online = args
+    sig = lambda *values: tuple(typeof(v) for v in values)          # noqa: E731
+    if share == "attention":
+        return [(_attn_inputs, sig(w, cs, k_cache, v_cache, plan, b)), (_attend, sig(w, k_cache, v_cache, plan, b, online))]
+    if share == "matmuls":
+        return [(quantize_into, sig(b.att.reshape(x.shape[0], -1), ACT_KIND[w.wo_type], b.q8_o)),
+                (matmul_row, sig(w.wo, w.wo_type, b.q8_o, b.runs, b.o))]
+    raise ValueError(f"unknown share {share!r}: one of {SHARES}")
+
+
 @njit(cache=True, error_model="numpy", inline="always")
 def _scale(a, s):
     """a (R, N) in place: each element times s, one float32 rounding (ggml_scale)."""

@@ -398,3 +398,32 @@ def test_a_start_says_when_it_compiles_the_kernels(tiny_model, tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | ({"NUMBA_CACHE_DIR": str(cache)} if cache else {})
         proc = subprocess.run([sys.executable, "-c", KERNELS_COMPILED], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0 and proc.stdout.strip() == expected, proc.stderr[-2000:]
+
+
+def test_a_first_starts_two_compile_shares_are_the_layers_own(tiny_model):
+    """A first start compiles the layer's kernels in two shares, one in a second process
+    (core.precompile). Each share is typed as `layer` types its calls, so that the layer loop finds
+    them in numba's cache: in a new process, with the loop compiled, every function of both shares
+    loads from the cache and none compiles (a share typed otherwise would compile: a first start
+    would then compile it twice). The second process runs for real, and bad input on its stdin
+    gets one line and exit 2."""
+    from core.precompile import by_name, compile_in_two, first_layer_args
+    from kernels.cpu import fused
+    g, tok = tiny_model("qwen2", "Q8_0")
+    be = NativeBackend(g, tok, 64, 2)                  # (compiles the loop if the cache lacks it)
+    try:
+        args = first_layer_args(be.model)
+        calls = [c for share in fused.SHARES for c in fused.share_signatures(args, share)]
+        helper = [sys.executable, "-m", "core.precompile"]
+        proc = subprocess.run(helper, input=by_name(calls), capture_output=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.decode().split("\n")[:-1] == [
+            "_attn_inputs loaded", "_attend loaded", "quantize_into loaded", "matmul_row loaded"], proc.stdout
+        assert compile_in_two(be.model) is None
+        bad = subprocess.run(helper, input=b"not a pickle", capture_output=True, text=False, timeout=300)
+        err = bad.stderr.decode().strip()
+        assert bad.returncode == 2 and err.startswith("kvchat precompile:") and "\n" not in err, err
+        with pytest.raises(ValueError, match="unknown share"):
+            fused.share_signatures(args, "norms")
+    finally:
+        be.close()
