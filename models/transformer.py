@@ -342,6 +342,9 @@ Segment = tuple
 # steps of up to 16 sequences), at most POOL_SIZE sets of them; a prompt chunk's are allocated for
 # its pass.
 POOLED_ROWS, POOL_SIZE = 16, 16
+# fused.layers' `keep` where every row goes on through the last layer (an array all the same: one
+# compiled loop for both kinds of pass).
+NO_ROWS = np.empty(0, np.int64)
 
 
 class Projections:
@@ -597,8 +600,7 @@ class Decoder:
         bufs: dict = {}                     # block shape -> its buffers for this pass
         threads = moe.threads()             # (the experts' layers split their work by it)
         last = len(self.blocks) - 1
-        first = self._run_compiled(x, p.runs, p.T, p.tables, p.plans, p.k_cache, p.v_cache,
-                                   last if keep is not None else last + 1, bufs, online)
+        first, x = self._run_compiled(x, p, bufs)
         for il, block in enumerate(self.blocks[first:], first):
             args = (x, *self._layer_args(p, il, bufs))
             if block.experts is not None:           # the same, with the experts as the FFN
@@ -614,21 +616,26 @@ class Decoder:
                 fused.layer(*args, online)
         return self._logits(x, p.keep_runs, vocab_limit)
 
-    def _run_compiled(self, x, runs: tuple, T: int, tables: dict, plans: dict, k_cache, v_cache, n: int,
-                      bufs: dict, online: bool | None) -> int:
-        """Layers 0 .. n-1 through fused.layers, where the model allows it (_compiled_loop); returns how
-        many layers it ran, for the Python loop to go on from (bufs: the pass's buffers by block shape,
-        filled here for it; online: fused.softmax_choice)."""
-        if self._loop is None or n == 0:
-            return 0
+    def _run_compiled(self, x: np.ndarray, p: "_Pass", bufs: dict) -> tuple[int, np.ndarray]:
+        """Every layer of pass p through fused.layers, where the model allows it (_compiled_loop):
+        returns how many layers it ran (all, or none) and the rows that go on (bufs: the pass's
+        buffers by block shape, filled here for it)."""
+        if self._loop is None:
+            return 0, x
         ropes, windows, second, weights = self._loop
-        per_layer = self._pooled(T, ("layers", b"".join(a.tobytes() for a in runs)), lambda: self._buffer_list(runs, T, bufs))
-        kcs, vcs = self._cache_lists(k_cache, v_cache)
+        per_layer, last_bufs = self._pooled(p.T, ("layers", b"".join(a.tobytes() for a in p.runs)),
+                                       lambda: self._buffer_list(p.runs, p.T, bufs))
+        kcs, vcs = self._cache_lists(p.k_cache, p.v_cache)
         if per_layer is None or kcs is None or vcs is None:
-            return 0
-        fused.layers(x, n, tables[ropes[0]], tables[ropes[-1]], plans[windows[0]], plans[windows[-1]], second,
-                     weights, kcs, vcs, per_layer, online)
-        return n
+            return 0, x
+        n = len(self.blocks)
+        if p.keep is None:
+            keep, bk = NO_ROWS, last_bufs
+        else:
+            keep, bk = p.keep, self._buffers(self.blocks[-1], p.keep_runs, len(p.keep))
+        x = fused.layers(x, n, p.tables[ropes[0]], p.tables[ropes[-1]], p.plans[windows[0]], p.plans[windows[-1]],
+                         second, weights, kcs, vcs, per_layer, keep, bk, p.online)
+        return n, x
 
     def _shape_buffers(self, block: Block, runs: tuple, T: int, by_shape: dict) -> fused.RowBuffers:
         """This pass's buffers for the block, shared by the layers of its shape (by_shape: the pass's)."""
@@ -637,9 +644,11 @@ class Decoder:
             b = by_shape[block.shape] = self._buffers(block, runs, T)
         return b
 
-    def _buffer_list(self, runs: tuple, T: int, by_shape: dict):
-        """Each layer's buffers for these runs as one list (_shape_buffers)."""
-        return fused.stack([self._shape_buffers(block, runs, T, by_shape) for block in self.blocks])
+    def _buffer_list(self, runs: tuple, T: int, by_shape: dict) -> tuple:
+        """Each layer's buffers for these runs as one list (_shape_buffers; None where they do not
+        stack), and the last layer's."""
+        each = [self._shape_buffers(block, runs, T, by_shape) for block in self.blocks]
+        return fused.stack(each), each[-1]
 
     def _logits(self, x: np.ndarray, runs: tuple, vocab_limit: int | None = None) -> np.ndarray:
         """(R, D) -> (R, n_vocab), or (R, vocab_limit): the logits of the first vocab_limit tokens

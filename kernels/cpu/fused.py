@@ -15,10 +15,10 @@ Its inputs are three named tuples, which numba types field by field:
   by layers of one shape);
 - `attention.AttentionPlan`: where the rows look in the paged cache (kernels.cpu.attention).
 
-The layer's orchestration (`layer`, `_attention`, `_ffn`, `_project`) is inlined into its callers
-by numba (inline="always"). numba links each compiled function's callees into its own module and
-has LLVM optimize and emit them again, so each of these levels cost a first start all its kernels'
-LLVM time once more; inlined, only `layers` and `last_layer` do (README: measured).
+The layer's orchestration (`layer`, `last_layer`, `_attention`, `_ffn`, `_project`) is inlined into
+its callers by numba (inline="always"). numba links each compiled function's callees into its own
+module and has LLVM optimize and emit them again, so each of these levels cost a first start all
+its kernels' LLVM time once more; inlined, only `layers` does (README: measured).
 """
 from __future__ import annotations
 
@@ -320,14 +320,23 @@ def layer(x, cs, w, k_cache, v_cache, plan, b, online):
 
 
 @njit(cache=True, error_model="numpy")
-def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs, online):
-    """layer for layers 0 .. n-1 in turn, in one compiled call: a decode step of a small model
-    otherwise spends a share of its time in Python, calling and typing each layer's arguments (README:
-    measured). ws, k_caches, v_caches, bufs: each layer's weights, cache and buffers (stack); layer
-    il takes rope table cs1 where second[il, 0], else cs0, and plan1 where second[il, 1], else plan0."""
-    for il in range(n):
+def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs, keep, bk, online):
+    """Layers 0 .. n-1 in turn, in one compiled call: a decode step of a small model otherwise spends
+    a share of its time in Python, calling and typing each layer's arguments (README: measured).
+    ws, k_caches, v_caches, bufs: each layer's weights, cache and buffers (stack); layer il takes
+    rope table cs1 where second[il, 0], else cs0, and plan1 where second[il, 1], else plan0. Where
+    keep holds rows, the last layer is last_layer (bk: the kept rows' buffers; unread otherwise).
+    Returns the rows that go on: x (T, D), updated in place, or the kept rows (K, D). (keep is an
+    array either way, so that one compiled loop serves both: a first start compiles it once.)"""
+    cut = keep.shape[0] > 0
+    for il in range(n - 1 if cut else n):
         layer(x, cs1 if second[il, 0] else cs0, ws[il], k_caches[il], v_caches[il],
               plan1 if second[il, 1] else plan0, bufs[il], online)
+    if not cut:
+        return x
+    il = n - 1
+    return last_layer(x, cs1 if second[il, 0] else cs0, ws[il], k_caches[il], v_caches[il],
+                      plan1 if second[il, 1] else plan0, bufs[il], keep, bk, online)
 
 
 def stack(items: list):
@@ -344,7 +353,7 @@ def stack(items: list):
     return out
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def last_layer(x, cs, w, k_cache, v_cache, plan, b, keep, bk, online):
     """layer where only the rows `keep` go on after attention (those whose logits are wanted, as
     llama.cpp's graph keeps them, so the FFN sees a batch of that size): returns them (K, D).
