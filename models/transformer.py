@@ -586,7 +586,7 @@ class Decoder:
 
     def layer_args(self, tokens: np.ndarray, start_pos: int, kv: KVView) -> tuple:
         """fused.layer's arguments for the first layer of a pass of these tokens (their slots held in
-        kv), without running it: what kernels.cpu.fused.precompile types its share of the kernels by."""
+        kv), without running it: what kernels.cpu.fused.share_signatures types a first start's shares by."""
         p = self._setup(np.asarray(tokens, np.int64).reshape(-1), [(kv, int(start_pos), len(tokens))], False)
         return (p.x, *self._layer_args(p, 0, {}), p.online)
 
@@ -600,7 +600,7 @@ class Decoder:
         bufs: dict = {}                     # block shape -> its buffers for this pass
         threads = moe.threads()             # (the experts' layers split their work by it)
         last = len(self.blocks) - 1
-        first, x = self._run_compiled(x, p, bufs)
+        first, x = self._run_compiled(p, bufs)
         for il, block in enumerate(self.blocks[first:], first):
             args = (x, *self._layer_args(p, il, bufs))
             if block.experts is not None:           # the same, with the experts as the FFN
@@ -616,24 +616,24 @@ class Decoder:
                 fused.layer(*args, online)
         return self._logits(x, p.keep_runs, vocab_limit)
 
-    def _run_compiled(self, x: np.ndarray, p: "_Pass", bufs: dict) -> tuple[int, np.ndarray]:
+    def _run_compiled(self, p: "_Pass", bufs: dict) -> tuple[int, np.ndarray]:
         """Every layer of pass p through fused.layers, where the model allows it (_compiled_loop):
         returns how many layers it ran (all, or none) and the rows that go on (bufs: the pass's
         buffers by block shape, filled here for it)."""
         if self._loop is None:
-            return 0, x
+            return 0, p.x
         ropes, windows, second, weights = self._loop
         per_layer, last_bufs = self._pooled(p.T, ("layers", b"".join(a.tobytes() for a in p.runs)),
                                        lambda: self._buffer_list(p.runs, p.T, bufs))
         kcs, vcs = self._cache_lists(p.k_cache, p.v_cache)
         if per_layer is None or kcs is None or vcs is None:
-            return 0, x
+            return 0, p.x
         n = len(self.blocks)
         if p.keep is None:
             keep, bk = NO_ROWS, last_bufs
         else:
             keep, bk = p.keep, self._buffers(self.blocks[-1], p.keep_runs, len(p.keep))
-        x = fused.layers(x, n, p.tables[ropes[0]], p.tables[ropes[-1]], p.plans[windows[0]], p.plans[windows[-1]],
+        x = fused.layers(p.x, n, p.tables[ropes[0]], p.tables[ropes[-1]], p.plans[windows[0]], p.plans[windows[-1]],
                          second, weights, kcs, vcs, per_layer, keep, bk, p.online)
         return n, x
 

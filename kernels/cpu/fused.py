@@ -328,15 +328,12 @@ def layers(x, n, cs0, cs1, plan0, plan1, second, ws, k_caches, v_caches, bufs, k
     keep holds rows, the last layer is last_layer (bk: the kept rows' buffers; unread otherwise).
     Returns the rows that go on: x (T, D), updated in place, or the kept rows (K, D). (keep is an
     array either way, so that one compiled loop serves both: a first start compiles it once.)"""
-    cut = keep.shape[0] > 0
-    for il in range(n - 1 if cut else n):
-        layer(x, cs1 if second[il, 0] else cs0, ws[il], k_caches[il], v_caches[il],
-              plan1 if second[il, 1] else plan0, bufs[il], online)
-    if not cut:
-        return x
-    il = n - 1
-    return last_layer(x, cs1 if second[il, 0] else cs0, ws[il], k_caches[il], v_caches[il],
-                      plan1 if second[il, 1] else plan0, bufs[il], keep, bk, online)
+    for il in range(n):
+        cs, plan = cs1 if second[il, 0] else cs0, plan1 if second[il, 1] else plan0
+        if il == n - 1 and keep.shape[0] > 0:
+            return last_layer(x, cs, ws[il], k_caches[il], v_caches[il], plan, bufs[il], keep, bk, online)
+        layer(x, cs, ws[il], k_caches[il], v_caches[il], plan, bufs[il], online)
+    return x
 
 
 def stack(items: list):

@@ -25,7 +25,8 @@ import pytest
 
 from core.llamacpp_backend import LlamaCppBackend
 from core.native_backend import COMPILING, NativeBackend, kernels_compiled
-from kernels.cpu import moe
+from core.precompile import by_name, compile_in_two, first_layer_args
+from kernels.cpu import fused, moe
 from models.architectures import load_config
 from models.errors import BadInputError
 from tests.engine import conftest as fx
@@ -407,8 +408,6 @@ def test_a_first_starts_two_compile_shares_are_the_layers_own(tiny_model):
     loads from the cache and none compiles (a share typed otherwise would compile: a first start
     would then compile it twice). The second process runs for real, and bad input on its stdin
     gets one line and exit 2."""
-    from core.precompile import by_name, compile_in_two, first_layer_args
-    from kernels.cpu import fused
     g, tok = tiny_model("qwen2", "Q8_0")
     be = NativeBackend(g, tok, 64, 2)                  # (compiles the loop if the cache lacks it)
     try:
@@ -420,7 +419,7 @@ def test_a_first_starts_two_compile_shares_are_the_layers_own(tiny_model):
         assert proc.stdout.decode().split("\n")[:-1] == [
             "_attn_inputs loaded", "_attend loaded", "quantize_into loaded", "matmul_row loaded"], proc.stdout
         assert compile_in_two(be.model) is None
-        bad = subprocess.run(helper, input=b"not a pickle", capture_output=True, text=False, timeout=300)
+        bad = subprocess.run(helper, input=b"not a pickle", capture_output=True, timeout=300)
         err = bad.stderr.decode().strip()
         assert bad.returncode == 2 and err.startswith("kvchat precompile:") and "\n" not in err, err
         with pytest.raises(ValueError, match="unknown share"):
